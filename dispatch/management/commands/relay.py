@@ -1,0 +1,32 @@
+from django.conf import settings
+from django.core.management.base import BaseCommand
+
+from dispatch.clock import db_now
+from dispatch.loop import StopSignal, run_loop
+from dispatch.relay import ConfirmingPublisher, RelayConfig, relay_run_once
+
+
+class Command(BaseCommand):
+    help = "Run one outbox relay: publishes pending outbox rows with publisher confirms."
+
+    def add_arguments(self, parser):
+        parser.add_argument("--batch-size", type=int, default=RelayConfig.batch_size)
+        parser.add_argument("--poll-interval", type=float, default=RelayConfig.poll_interval)
+        parser.add_argument("--max-steps", type=int, default=None, help="stop after N steps")
+
+    def handle(self, *args, batch_size, poll_interval, max_steps, **options):
+        config = RelayConfig(batch_size=batch_size, poll_interval=poll_interval)
+        publisher = ConfirmingPublisher(
+            settings.CELERY_BROKER_URL, settings.CELERY_BROKER_TRANSPORT_OPTIONS
+        )
+
+        def step() -> float:
+            result = relay_run_once(now=db_now(), config=config, publisher=publisher)
+            return 0.0 if result.batch_full else (0.0 if result.published else config.poll_interval)
+
+        self.stdout.write("relay started")
+        try:
+            run_loop(step, name="relay", stop=StopSignal().install(), max_steps=max_steps,
+                     on_error=lambda exc: publisher.reset())
+        finally:
+            publisher.close()

@@ -1,0 +1,119 @@
+"""`python manage.py standalone`: the whole system in one command, on any settings.
+
+Migrates, makes sure a first user and API token exist, prints them with the URLs, then runs
+the web server, a scheduler, a relay and a Celery worker as child processes, restarting any
+that dies, until Ctrl-C or SIGTERM stops them all.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import time
+
+from django.conf import settings
+from django.contrib.auth import get_user_model
+from django.core.management import call_command
+from django.core.management.base import BaseCommand
+from rest_framework.authtoken.models import Token
+
+STOP_GRACE_SECONDS = 20
+
+
+class Command(BaseCommand):
+    help = "Run web, scheduler, relay and worker together (embedded defaults need no service)."
+
+    def add_arguments(self, parser):
+        parser.add_argument("--host", default="127.0.0.1")
+        parser.add_argument("--port", type=int, default=8000)
+        parser.add_argument("--worker-concurrency", type=int, default=2)
+
+    def handle(self, *args, host, port, worker_concurrency, **options):
+        call_command("migrate", interactive=False, verbosity=0)
+        username, password, token = self._first_user()
+        base = f"http://{host}:{port}"
+        self.stdout.write(
+            "\n".join([
+                "Scheduler running on "
+                + ("embedded defaults (SQLite, filesystem broker)" if settings.EMBEDDED_BROKER
+                   else "the configured database and broker"),
+                f"  API:       {base}/api/v1/jobs/",
+                f"  Schema:    {base}/api/schema/",
+                f"  Admin:     {base}/admin/",
+                f"  User:      {username}" + (f"  password: {password}" if password else ""),
+                f"  API token: {token}",
+                f"  Try:       curl -H 'Authorization: Token {token}' {base}/api/v1/jobs/",
+                "Ctrl-C stops everything.",
+            ])
+        )
+        self.stdout.flush()
+        env = {**os.environ, "DJANGO_SETTINGS_MODULE": os.environ["DJANGO_SETTINGS_MODULE"]}
+        django = [sys.executable, "-m", "django"]
+        commands = {
+            "web": [*django, "runserver", "--noreload", "--insecure", f"{host}:{port}"],
+            "scheduler": [*django, "scheduler"],
+            "relay": [*django, "relay"],
+            "worker": [sys.executable, "-m", "celery", "-A", "scheduler_project", "worker",
+                       "--loglevel=INFO", f"--concurrency={worker_concurrency}",
+                       "-Q", settings.SCHEDULER_DEFAULT_QUEUE, "-n", "standalone@%h"],
+        }
+        Supervisor(commands, env, self.stdout).run()
+
+    def _first_user(self) -> tuple[str, str | None, str]:
+        users = get_user_model()
+        user = users.objects.filter(is_superuser=True).order_by("id").first()
+        password = None
+        if user is None:
+            password = secrets.token_urlsafe(12)
+            user = users.objects.create_superuser("admin", "admin@localhost", password)
+        token, _ = Token.objects.get_or_create(user=user)
+        return user.get_username(), password, token.key
+
+
+class Supervisor:
+    """Starts the children, restarts any that exits, and stops them all on a signal."""
+
+    def __init__(self, commands: dict[str, list[str]], env: dict, out) -> None:
+        self.commands, self.env, self.out = commands, env, out
+        self.children: dict[str, subprocess.Popen] = {}
+        self.stopping = False
+
+    def _start(self, name: str) -> None:
+        self.children[name] = subprocess.Popen(self.commands[name], env=self.env)
+
+    def _on_signal(self, signum, frame) -> None:
+        self.stopping = True
+
+    def run(self) -> None:
+        signal.signal(signal.SIGTERM, self._on_signal)
+        signal.signal(signal.SIGINT, self._on_signal)
+        for name in self.commands:
+            self._start(name)
+        restarts: dict[str, float] = {}
+        while not self.stopping:
+            time.sleep(0.5)
+            for name, child in list(self.children.items()):
+                if child.poll() is not None and not self.stopping:
+                    # Back off a process that keeps dying, so a broken setup is readable.
+                    if time.monotonic() - restarts.get(name, 0) < 5:
+                        time.sleep(2)
+                    self.out.write(f"{name} exited with {child.returncode}; restarting")
+                    restarts[name] = time.monotonic()
+                    self._start(name)
+        self.stop()
+
+    def stop(self) -> None:
+        for child in self.children.values():
+            if child.poll() is None:
+                child.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + STOP_GRACE_SECONDS
+        for child in self.children.values():
+            try:
+                child.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                child.kill()
+                child.wait()
+        self.out.write("stopped")

@@ -1,0 +1,44 @@
+"""`job_task`: registers a handler as a real Celery task that the scheduler can run."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from scheduler_project.celery import app
+
+_handlers: dict[str, Callable] = {}
+
+
+def job_task(name: str, **celery_options):
+    """Register `handler(ctx, *args, **kwargs)` under `name`.
+
+    The Celery task it becomes receives only the run id; the worker claims the run, loads
+    the job's args and kwargs from the run's version, and calls the handler with a context.
+    """
+
+    def decorate(handler: Callable):
+        registered = _handlers.get(name)
+        if registered is not None and registered.__qualname__ != handler.__qualname__:
+            raise ValueError(f"job task '{name}' is already registered by {registered!r}")
+        _handlers[name] = handler
+
+        @app.task(name=name, bind=True, **celery_options)
+        def deliver(self, run_id: str):
+            from .runtime import run_execute_delivery
+
+            return run_execute_delivery(
+                run_id=run_id, handler=handler, worker=self.request.hostname or "",
+                message_id=self.request.id or "",
+            )
+
+        return deliver
+
+    return decorate
+
+
+def registered_task_names() -> frozenset[str]:
+    return frozenset(_handlers)
+
+
+def handler_for(name: str) -> Callable | None:
+    return _handlers.get(name)

@@ -1,0 +1,228 @@
+"""The worker runtime: claim a delivery as an attempt, keep its lease, run the handler,
+and record the outcome only while the attempt still holds the current fencing token."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import datetime as dt
+import json
+import logging
+import threading
+import time
+import traceback
+from collections.abc import Callable, Iterator
+
+from celery.exceptions import Reject
+from django.db import DatabaseError, connection, transaction
+
+from jobs.models import Attempt, Run, RunState
+from jobs.retry import retries_left, retry_delay_seconds
+from jobs.services import run_record_duplicate_delivery
+from jobs.transitions import (
+    attempt_fail,
+    attempt_renew_lease,
+    attempt_succeed,
+    run_claim,
+)
+
+from .clock import db_now
+from .counters import counter_increment
+from .models import Effect
+
+log = logging.getLogger("dispatch.runtime")
+# How long a finished attempt keeps trying to record its outcome while the database is down.
+COMPLETION_RETRY_SECONDS = 60.0
+
+
+class StaleAttempt(Exception):
+    """This attempt no longer holds the run's current fencing token: it may change nothing."""
+
+
+@dataclasses.dataclass
+class EffectRecord:
+    name: str
+    done: bool  # True: an earlier execution of this run already committed the effect
+
+
+class LeaseKeeper:
+    """Renews the attempt's lease from a thread while the handler runs."""
+
+    def __init__(self, attempt: Attempt, lease_seconds: float) -> None:
+        self.attempt = attempt
+        self.lease_seconds = lease_seconds
+        self.interval = max(0.5, lease_seconds / 3)
+        self.lost = threading.Event()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="lease-keeper", daemon=True)
+
+    def start(self) -> LeaseKeeper:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+
+    def renew(self) -> bool:
+        """One renewal; False once the attempt lost its lease or token."""
+        try:
+            renewed = attempt_renew_lease(
+                attempt=self.attempt, now=db_now(), lease_seconds=self.lease_seconds
+            )
+        except DatabaseError:
+            log.warning("lease renewal failed; retrying", exc_info=True)
+            connection.close()
+            return not self.lost.is_set()
+        if not renewed and not self.lost.is_set():
+            self.lost.set()
+            counter_increment("scheduler_stale_completions_total", labels='kind="heartbeat"')
+        return renewed
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.wait(self.interval) and not self.lost.is_set():
+                self.renew()
+        finally:
+            connection.close()
+
+
+@dataclasses.dataclass
+class RunContext:
+    """What a handler receives as `ctx`."""
+
+    run_id: str
+    job_id: str
+    attempt: int
+    idempotency_key: str
+    fencing_token: int
+    scheduled_for: dt.datetime
+    payload_ref: str | None
+    logger: logging.LoggerAdapter
+    _attempt: Attempt
+    _keeper: LeaseKeeper
+
+    def heartbeat(self) -> bool:
+        """Renew the lease now; False means this attempt is no longer the run's owner."""
+        return self._keeper.renew()
+
+    @property
+    def cancel_requested(self) -> bool:
+        """True once the handler should stop: its lease is lost (or the run was cancelled)."""
+        return self._keeper.lost.is_set()
+
+    @contextlib.contextmanager
+    def effect(self, name: str) -> Iterator[EffectRecord]:
+        """Record an effect once per run, in a transaction fenced by this attempt's token.
+
+        Database writes made inside the block commit together with the ledger row, and
+        only if this attempt is still current. `record.done` tells a later execution of
+        the same run that the effect was already committed, so it skips the work.
+        """
+        with transaction.atomic():
+            locked = Run.objects.select_for_update().filter(id=self.run_id).values_list(
+                "state", "fencing_token"
+            ).first()
+            if locked != (RunState.RUNNING, self.fencing_token):
+                counter_increment("scheduler_stale_completions_total", labels='kind="effect"')
+                raise StaleAttempt(f"attempt {self.attempt} of run {self.run_id} is stale")
+            done = Effect.objects.filter(run_id=self.run_id, name=name).exists()
+            record = EffectRecord(name=name, done=done)
+            yield record
+            if not done:
+                Effect.objects.create(
+                    run_id=self.run_id, name=name, attempt_number=self.attempt,
+                    fencing_token=self.fencing_token,
+                )
+
+
+def _jsonable(value):
+    try:
+        json.dumps(value)
+        return value
+    except (TypeError, ValueError):
+        return repr(value)
+
+
+def _with_database_retries(write: Callable[[], bool]) -> bool:
+    """Record an outcome through a database outage, for a bounded time."""
+    deadline = time.monotonic() + COMPLETION_RETRY_SECONDS
+    delay = 0.2
+    while True:
+        try:
+            return write()
+        except DatabaseError:
+            if time.monotonic() > deadline:
+                raise
+            log.warning("recording an outcome failed; retrying in %.1fs", delay, exc_info=True)
+            connection.close()
+            time.sleep(delay)
+            delay = min(delay * 2, 5.0)
+
+
+def run_execute_delivery(*, run_id: str, handler: Callable, worker: str, message_id: str) -> dict:
+    """Claim, run and complete one delivered run. Returns a summary for Celery's log."""
+    try:
+        run = Run.objects.select_related("job_version").filter(id=run_id).first()
+        spec = run.job_version.spec if run else None
+        attempt = (
+            run_claim(
+                run_id=run_id, worker=worker, now=db_now(),
+                lease_seconds=spec["heartbeat_timeout_seconds"],
+            )
+            if run
+            else None
+        )
+        if attempt is None:
+            run_record_duplicate_delivery(run_id=run_id, worker=worker, message_id=message_id)
+            log.info("refused a duplicate delivery of run %s", run_id)
+            return {"run_id": run_id, "outcome": "refused"}
+    except DatabaseError as exc:
+        # Nothing was claimed: hand the message back to the broker for another try.
+        connection.close()
+        time.sleep(1.0)
+        raise Reject(f"claim of run {run_id} failed: {exc!r}", requeue=True) from exc
+
+    keeper = LeaseKeeper(attempt, spec["heartbeat_timeout_seconds"]).start()
+    ctx = RunContext(
+        run_id=str(run.id), job_id=str(run.job_id), attempt=attempt.number,
+        idempotency_key=run.idempotency_key, fencing_token=attempt.fencing_token,
+        scheduled_for=run.scheduled_for, payload_ref=spec.get("payload_ref"),
+        logger=logging.LoggerAdapter(
+            logging.getLogger(f"jobs.task.{spec['task']}"),
+            {"run_id": str(run.id), "attempt": attempt.number},
+        ),
+        _attempt=attempt, _keeper=keeper,
+    )
+    try:
+        result = handler(ctx, *spec["args"], **spec["kwargs"])
+    except Exception as exc:  # noqa: BLE001 - every handler error is the attempt's outcome
+        keeper.stop()
+        error = "".join(traceback.format_exception(exc))[-8000:]
+        retry = retries_left(spec["retry"], attempt_number=attempt.number)
+        outcome = "retry_wait" if retry else "failed"
+
+        def write() -> bool:
+            now = db_now()
+            retry_at = (
+                now + dt.timedelta(
+                    seconds=retry_delay_seconds(spec["retry"], attempt_number=attempt.number)
+                )
+                if retry
+                else None
+            )
+            return attempt_fail(attempt=attempt, now=now, error=error, retry_at=retry_at)
+    else:
+        keeper.stop()
+        outcome = "succeeded"
+
+        def write() -> bool:
+            return attempt_succeed(attempt=attempt, now=db_now(), result=_jsonable(result))
+
+    if not _with_database_retries(write):
+        counter_increment("scheduler_stale_completions_total", labels='kind="completion"')
+        log.warning("stale completion of run %s attempt %s refused", run_id, attempt.number)
+        outcome = "stale"
+    counter_increment("scheduler_attempts_total", labels=f'outcome="{outcome}"')
+    return {"run_id": run_id, "attempt": attempt.number, "outcome": outcome}
+

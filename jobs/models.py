@@ -1,0 +1,228 @@
+"""Jobs, their versions, runs, attempts and the audit trail.
+
+State changes never happen here: `jobs.transitions` owns every one of them.
+"""
+
+import uuid
+
+from django.conf import settings
+from django.db import models
+from django.db.models import Q
+from django.utils import timezone
+
+
+class JobState(models.TextChoices):
+    """A job's lifecycle. `active` jobs are found by the scheduler through `job_due_idx`."""
+
+    ACTIVE = "active"  # left by an operator (pause/cancel) or the end of its schedule
+    PAUSED = "paused"  # left by resume
+    CANCELLED = "cancelled"  # terminal
+    COMPLETED = "completed"  # terminal: a one-time job whose run is terminal
+
+
+class RunState(models.TextChoices):
+    """A run's lifecycle; each docstring names the component that moves a run out of it."""
+
+    PENDING = "pending"  # held back (overlap, backpressure); released by the scheduler
+    QUEUED = "queued"  # outbox committed; the worker's claim moves it to running
+    RUNNING = "running"  # an attempt holds the lease; its completion moves it on
+    RETRY_WAIT = "retry_wait"  # the scheduler's retry promoter re-queues at next_attempt_at
+    SUCCEEDED = "succeeded"  # terminal
+    FAILED = "failed"  # terminal (dead letter); an operator replay may re-queue it
+    CANCELLED = "cancelled"  # terminal; an operator replay may re-queue it
+    SKIPPED = "skipped"  # terminal: overlap or misfire policy, kept to be visible
+
+
+RUN_TERMINAL_STATES = frozenset(
+    {RunState.SUCCEEDED, RunState.FAILED, RunState.CANCELLED, RunState.SKIPPED}
+)
+RUN_ACTIVE_STATES = frozenset(
+    {RunState.PENDING, RunState.QUEUED, RunState.RUNNING, RunState.RETRY_WAIT}
+)
+
+
+class RunKind(models.TextChoices):
+    SCHEDULED = "scheduled"
+    MANUAL = "manual"
+    BACKFILL = "backfill"
+
+
+class FailureReason(models.TextChoices):
+    ERROR = "error"  # a non-retryable error
+    TIMEOUT = "timeout"
+    LOST = "lost"
+    EXHAUSTED = "exhausted"  # every attempt of the retry budget failed
+    OUTCOME_UNKNOWN = "outcome_unknown"
+
+
+class AttemptState(models.TextChoices):
+    RUNNING = "running"  # the worker's completion, or the reaper, moves it on
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    TIMED_OUT = "timed_out"
+    LOST = "lost"
+    CANCELLED = "cancelled"
+
+
+class Job(models.Model):
+    id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
+    owner = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.PROTECT, related_name="jobs")
+    name = models.CharField(max_length=200)
+    task = models.CharField(max_length=200)
+    state = models.CharField(max_length=16, choices=JobState.choices, default=JobState.ACTIVE)
+    version = models.PositiveIntegerField(default=1)
+    # The job's whole user-given spec (schedule, args, policies); JobVersion keeps each one.
+    spec = models.JSONField()
+    queue = models.CharField(max_length=100)
+    priority = models.PositiveSmallIntegerField(default=0)
+    labels = models.JSONField(default=dict, blank=True)
+    # The next occurrence, materialized so that due work is found through job_due_idx.
+    next_run_at = models.DateTimeField(null=True, blank=True)
+    # Interval schedules count from here (or start_at): set by job_create, never auto.
+    created_at = models.DateTimeField(default=timezone.now)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        indexes = [
+            models.Index(
+                fields=["next_run_at"], name="job_due_idx", condition=Q(state="active")
+            ),
+            models.Index(fields=["owner", "created_at"], name="job_owner_idx"),
+        ]
+        constraints = [
+            models.CheckConstraint(
+                condition=Q(state__in=JobState.values), name="job_state_valid"
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.name} ({self.id})"
+
+
+class JobVersion(models.Model):
+    """Immutable snapshot of a job's spec; a run records the version that created it."""
+
+    job = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="versions")
+    version = models.PositiveIntegerField()
+    spec = models.JSONField()
+    created_at = models.DateTimeField(auto_now_add=True)
+    created_by = models.ForeignKey(
+        settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
+    )
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(fields=["job", "version"], name="job_version_unique"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.job_id} v{self.version}"
+
+
+class Run(models.Model):
+    id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
+    job = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="runs")
+    job_version = models.ForeignKey(JobVersion, on_delete=models.PROTECT, related_name="runs")
+    kind = models.CharField(max_length=16, choices=RunKind.choices, default=RunKind.SCHEDULED)
+    state = models.CharField(max_length=16, choices=RunState.choices)
+    scheduled_for = models.DateTimeField()
+    # Stable across every attempt: what handlers give external systems to deduplicate.
+    idempotency_key = models.CharField(max_length=200, unique=True)
+    # The last fencing token issued; an attempt is current only while it holds this one.
+    fencing_token = models.PositiveIntegerField(default=0)
+    attempt_count = models.PositiveIntegerField(default=0)
+    next_attempt_at = models.DateTimeField(null=True, blank=True)
+    failure_reason = models.CharField(
+        max_length=32, choices=FailureReason.choices, blank=True, default=""
+    )
+    result = models.JSONField(null=True, blank=True)
+    # Per-stage timestamps: due -> created -> published -> started -> finished.
+    due_at = models.DateTimeField()
+    created_at = models.DateTimeField()
+    published_at = models.DateTimeField(null=True, blank=True)
+    started_at = models.DateTimeField(null=True, blank=True)
+    finished_at = models.DateTimeField(null=True, blank=True)
+    updated_at = models.DateTimeField(auto_now=True)
+    duplicate_deliveries = models.PositiveIntegerField(default=0)
+
+    class Meta:
+        indexes = [
+            models.Index(fields=["job", "-scheduled_for"], name="run_job_idx"),
+            models.Index(fields=["state", "-created_at"], name="run_state_idx"),
+            models.Index(
+                fields=["next_attempt_at"], name="run_retry_due_idx",
+                condition=Q(state="retry_wait"),
+            ),
+        ]
+        constraints = [
+            # One scheduled run per occurrence, however many scheduler replicas run.
+            models.UniqueConstraint(
+                fields=["job", "scheduled_for"], name="run_one_per_occurrence",
+                condition=Q(kind="scheduled"),
+            ),
+            models.CheckConstraint(condition=Q(state__in=RunState.values), name="run_state_valid"),
+        ]
+
+    def __str__(self) -> str:
+        return f"run {self.id} of {self.job_id} at {self.scheduled_for:%Y-%m-%d %H:%M:%S}"
+
+
+class Attempt(models.Model):
+    run = models.ForeignKey(Run, on_delete=models.CASCADE, related_name="attempts")
+    number = models.PositiveIntegerField()
+    fencing_token = models.PositiveIntegerField()
+    state = models.CharField(max_length=16, choices=AttemptState.choices)
+    worker = models.CharField(max_length=200, blank=True, default="")
+    lease_expires_at = models.DateTimeField()
+    heartbeat_at = models.DateTimeField()
+    started_at = models.DateTimeField()
+    finished_at = models.DateTimeField(null=True, blank=True)
+    error = models.TextField(blank=True, default="")
+
+    class Meta:
+        ordering = ["run", "number"]
+        constraints = [
+            models.UniqueConstraint(fields=["run", "number"], name="attempt_number_unique"),
+            models.UniqueConstraint(fields=["run", "fencing_token"], name="attempt_token_unique"),
+            # One running attempt per run.
+            models.UniqueConstraint(
+                fields=["run"], name="attempt_one_running", condition=Q(state="running")
+            ),
+            models.CheckConstraint(
+                condition=Q(state__in=AttemptState.values), name="attempt_state_valid"
+            ),
+        ]
+        indexes = [
+            models.Index(
+                fields=["lease_expires_at"], name="attempt_lease_idx",
+                condition=Q(state="running"),
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return f"attempt {self.number} of run {self.run_id}"
+
+
+class AuditEvent(models.Model):
+    """Who changed what, and when. Written in the transaction of the change it records."""
+
+    created_at = models.DateTimeField(auto_now_add=True)
+    actor = models.ForeignKey(
+        settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
+    )
+    # "user:<name>" for people, "system:<component>" for processes.
+    actor_label = models.CharField(max_length=200)
+    action = models.CharField(max_length=64)
+    job = models.ForeignKey(Job, null=True, blank=True, on_delete=models.CASCADE, related_name="+")
+    run = models.ForeignKey(Run, null=True, blank=True, on_delete=models.CASCADE, related_name="+")
+    data = models.JSONField(default=dict, blank=True)
+
+    class Meta:
+        ordering = ["-created_at", "-id"]
+        indexes = [
+            models.Index(fields=["job", "-created_at"], name="audit_job_idx"),
+            models.Index(fields=["run", "-created_at"], name="audit_run_idx"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.actor_label} {self.action}"

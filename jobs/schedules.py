@@ -1,0 +1,200 @@
+"""When a schedule fires: pure functions of the schedule, the DST policy and an instant.
+
+Cron expressions are evaluated in local wall-clock time (croniter on naive datetimes) and
+each wall time is mapped to instants by the job's DST policy, so croniter's own behaviour
+at transitions is never the policy. See docs/time.md.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+import zoneinfo
+from collections.abc import Iterator
+from functools import lru_cache
+
+from croniter import croniter
+
+UTC = dt.UTC
+CRON_ALIASES = {
+    "@yearly": "0 0 1 1 *",
+    "@annually": "0 0 1 1 *",
+    "@monthly": "0 0 1 * *",
+    "@weekly": "0 0 * * 0",
+    "@daily": "0 0 * * *",
+    "@midnight": "0 0 * * *",
+    "@hourly": "0 * * * *",
+}
+GAP_POLICIES = ("shift", "skip")
+FOLD_POLICIES = ("first", "both", "auto")
+DEFAULT_DST = {"gap": "shift", "fold": "auto"}
+# No zone has moved its clock by more than this at one transition.
+_MAX_SHIFT = dt.timedelta(hours=3)
+
+
+class ScheduleError(ValueError):
+    """A schedule that cannot be evaluated; the message names what is wrong."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Occurrence:
+    at: dt.datetime  # UTC
+    local: dt.datetime  # aware, in the schedule's zone
+    # "" | "gap_shifted" (moved to the end of a spring-forward gap) | "fold_first" |
+    # "fold_second" (one of the two instants of a repeated local time)
+    dst: str = ""
+
+
+def normalize_cron(expression: str) -> str:
+    expression = " ".join(expression.split())
+    expression = CRON_ALIASES.get(expression.lower(), expression)
+    if len(expression.split(" ")) != 5:
+        raise ScheduleError("must have 5 fields: minute hour day-of-month month day-of-week")
+    if not croniter.is_valid(expression):
+        raise ScheduleError(f"'{expression}' is not a valid cron expression")
+    return expression
+
+
+@lru_cache(maxsize=1024)
+def zone(name: str) -> zoneinfo.ZoneInfo:
+    try:
+        return zoneinfo.ZoneInfo(name)
+    except (zoneinfo.ZoneInfoNotFoundError, ValueError, TypeError) as exc:
+        raise ScheduleError(f"'{name}' is not a known IANA time zone") from exc
+
+
+def _hour_follows_elapsed_time(expression: str) -> bool:
+    """cronie's rule for `fold: auto`: a wildcard or stepped hour fires in both hours."""
+    hour = expression.split(" ")[1]
+    return hour.startswith("*") or "/" in hour
+
+
+def _wall_time_instants(
+    wall: dt.datetime, tz: zoneinfo.ZoneInfo, *, gap: str, both_folds: bool
+) -> list[Occurrence]:
+    first = wall.replace(tzinfo=tz, fold=0)
+    second = wall.replace(tzinfo=tz, fold=1)
+    first_utc, second_utc = first.astimezone(UTC), second.astimezone(UTC)
+    if first_utc == second_utc:
+        return [Occurrence(first_utc, first)]
+    if first_utc < second_utc:  # a repeated wall time (fall back)
+        occurrences = [Occurrence(first_utc, first, "fold_first")]
+        if both_folds:
+            occurrences.append(Occurrence(second_utc, second, "fold_second"))
+        return occurrences
+    # A wall time that does not exist (spring forward): fold=1 reads it with the offset
+    # after the gap, which lands before the transition; the transition itself is the
+    # first real instant after the gap.
+    if gap == "skip":
+        return []
+    transition = _transition_after(second_utc, tz)
+    return [Occurrence(transition, transition.astimezone(tz), "gap_shifted")]
+
+
+def _transition_after(instant: dt.datetime, tz: zoneinfo.ZoneInfo) -> dt.datetime:
+    """The first instant after `instant` whose UTC offset differs (bisection, minute grain)."""
+    low, high = instant, instant + _MAX_SHIFT
+    offset = low.astimezone(tz).utcoffset()
+    while high - low > dt.timedelta(seconds=1):
+        middle = low + (high - low) / 2
+        if middle.astimezone(tz).utcoffset() == offset:
+            low = middle
+        else:
+            high = middle
+    return high.replace(microsecond=0)
+
+
+def _offset_range(instant: dt.datetime, tz: zoneinfo.ZoneInfo) -> tuple[dt.timedelta, dt.timedelta]:
+    """The least and greatest UTC offsets of `tz` within a day of `instant`.
+
+    Transitions are months apart, so the offsets a day before, at, and a day after cover
+    every offset in between.
+    """
+    day = dt.timedelta(hours=26)
+    offsets = [(instant + shift).astimezone(tz).utcoffset() for shift in (-day, dt.timedelta(0), day)]
+    return min(offsets), max(offsets)
+
+
+def _cron_occurrences(
+    expression: str, tz: zoneinfo.ZoneInfo, dst: dict, after: dt.datetime
+) -> Iterator[Occurrence]:
+    """Occurrences strictly after `after`, in increasing order, never twice one instant."""
+    fold = dst.get("fold", DEFAULT_DST["fold"])
+    both = fold == "both" or (fold == "auto" and _hour_follows_elapsed_time(expression))
+    gap = dst.get("gap", DEFAULT_DST["gap"])
+    # Start early enough in wall time: near a fall-back, the second instant of a repeated
+    # wall time reads earlier on the clock than `after` does.
+    low, high = _offset_range(after, tz)
+    start_wall = after.astimezone(tz).replace(tzinfo=None) - (high - low)
+    walls = croniter(expression, start_wall)
+    pending: list[Occurrence] = []
+    last_emitted: dt.datetime | None = None
+    for _ in range(100_000):  # bounded: a cron expression matches at least once in 28 years
+        wall = walls.get_next(dt.datetime)
+        for occurrence in _wall_time_instants(wall, tz, gap=gap, both_folds=both):
+            if occurrence.at > after:
+                pending.append(occurrence)
+        pending.sort(key=lambda occ: occ.at)
+        # No later wall time can map to an instant before this one.
+        horizon = wall.replace(tzinfo=UTC) - _offset_range(wall.replace(tzinfo=UTC), tz)[1]
+        while pending and pending[0].at <= horizon:
+            occurrence = pending.pop(0)
+            if occurrence.at != last_emitted:
+                last_emitted = occurrence.at
+                yield occurrence
+    raise ScheduleError("the cron expression produced no occurrence")  # pragma: no cover
+
+
+def occurrences(
+    schedule: dict, *, after: dt.datetime, dst: dict | None = None, anchor: dt.datetime | None = None
+) -> Iterator[Occurrence]:
+    """Every fire instant of `schedule` strictly after `after` (aware), in order.
+
+    `anchor` is where an interval schedule counts from (the job's start_at or creation).
+    """
+    kind = schedule["kind"]
+    if kind == "once":
+        run_at = schedule_run_at(schedule)
+        if run_at > after:
+            yield Occurrence(run_at, run_at)
+        return
+    if kind == "interval":
+        every = dt.timedelta(seconds=schedule["every_seconds"])
+        if anchor is None:
+            raise ScheduleError("an interval schedule needs an anchor")
+        steps = 0 if after < anchor else (after - anchor) // every + 1
+        instant = anchor + steps * every
+        while True:
+            yield Occurrence(instant.astimezone(UTC), instant.astimezone(UTC))
+            instant += every
+    if kind == "cron":
+        tz = zone(schedule.get("timezone", "UTC"))
+        yield from _cron_occurrences(
+            normalize_cron(schedule["expression"]), tz, dst or DEFAULT_DST, after
+        )
+        return
+    raise ScheduleError(f"unknown schedule kind '{kind}'")
+
+
+def schedule_run_at(schedule: dict) -> dt.datetime:
+    return dt.datetime.fromisoformat(schedule["run_at"]).astimezone(UTC)
+
+
+def next_fire(
+    schedule: dict, *, after: dt.datetime, dst: dict | None = None, anchor: dt.datetime | None = None
+) -> dt.datetime | None:
+    """The first fire instant strictly after `after`, or None when the schedule is over."""
+    for occurrence in occurrences(schedule, after=after, dst=dst, anchor=anchor):
+        return occurrence.at
+    return None
+
+
+def first_fire(
+    schedule: dict, *, now: dt.datetime, dst: dict | None = None, anchor: dt.datetime | None = None
+) -> dt.datetime | None:
+    """The first instant a new job fires: a one-time job fires even if run_at has passed."""
+    if schedule["kind"] == "once":
+        return schedule_run_at(schedule)
+    if schedule["kind"] == "interval" and anchor is not None and anchor >= now:
+        return anchor
+    return next_fire(schedule, after=now, dst=dst, anchor=anchor)

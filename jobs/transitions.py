@@ -1,0 +1,144 @@
+"""Every state transition of runs and attempts: one conditional UPDATE each.
+
+Each function returns whether it won. A transition whose row is no longer in a state it may
+leave, or whose fencing token is no longer current, changes nothing and returns False.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections.abc import Iterable
+
+from django.db import transaction
+from django.db.models import F
+from django.db.models.functions import Coalesce
+
+from .models import Attempt, AttemptState, FailureReason, Run, RunState
+
+# to-state -> the states a run may enter it from.
+RUN_TRANSITIONS: dict[str, frozenset[str]] = {
+    RunState.QUEUED: frozenset({RunState.PENDING, RunState.RETRY_WAIT}),
+    RunState.RUNNING: frozenset({RunState.QUEUED}),
+    RunState.SUCCEEDED: frozenset({RunState.RUNNING}),
+    RunState.RETRY_WAIT: frozenset({RunState.RUNNING}),
+    RunState.FAILED: frozenset({RunState.RUNNING}),
+    RunState.CANCELLED: frozenset(
+        {RunState.PENDING, RunState.QUEUED, RunState.RUNNING, RunState.RETRY_WAIT}
+    ),
+    RunState.SKIPPED: frozenset({RunState.PENDING}),
+}
+
+
+class IllegalTransition(Exception):
+    """Raised by callers that must report a refused transition (HTTP 409)."""
+
+
+def _move_runs(run_ids: Iterable, to: str, *, token: int | None = None, **fields) -> int:
+    """Move the runs that may enter `to`; with `token`, only while it is still current."""
+    rows = Run.objects.filter(id__in=list(run_ids), state__in=RUN_TRANSITIONS[to])
+    if token is not None:
+        rows = rows.filter(fencing_token=token)
+    return rows.update(state=to, **fields)
+
+
+def runs_requeue(*, run_ids: list, now: dt.datetime) -> int:
+    """retry_wait/pending -> queued (the caller writes the outbox rows in the same transaction)."""
+    return _move_runs(run_ids, RunState.QUEUED, next_attempt_at=None)
+
+
+def run_claim(*, run_id, worker: str, now: dt.datetime, lease_seconds: float) -> Attempt | None:
+    """queued -> running, with a new attempt holding the next fencing token and a lease.
+
+    None when the run is not queued: a duplicate delivery of a run already claimed or
+    finished, which the caller refuses and counts.
+    """
+    with transaction.atomic():
+        run = Run.objects.select_for_update().filter(id=run_id).only(
+            "id", "state", "fencing_token", "attempt_count"
+        ).first()
+        if run is None or run.state != RunState.QUEUED:
+            return None
+        token, number = run.fencing_token + 1, run.attempt_count + 1
+        won = Run.objects.filter(
+            id=run_id, state__in=RUN_TRANSITIONS[RunState.RUNNING], fencing_token=run.fencing_token
+        ).update(
+            state=RunState.RUNNING,
+            fencing_token=token,
+            attempt_count=number,
+            started_at=Coalesce(F("started_at"), now),
+            next_attempt_at=None,
+        )
+        if not won:
+            return None
+        return Attempt.objects.create(
+            run_id=run_id,
+            number=number,
+            fencing_token=token,
+            state=AttemptState.RUNNING,
+            worker=worker[:200],
+            lease_expires_at=now + dt.timedelta(seconds=lease_seconds),
+            heartbeat_at=now,
+            started_at=now,
+        )
+
+
+def attempt_renew_lease(*, attempt: Attempt, now: dt.datetime, lease_seconds: float) -> bool:
+    """Extend the lease of a running attempt that still holds the current token."""
+    return bool(
+        Attempt.objects.filter(
+            id=attempt.id,
+            state=AttemptState.RUNNING,
+            fencing_token=attempt.fencing_token,
+            run__fencing_token=attempt.fencing_token,
+            run__state=RunState.RUNNING,
+        ).update(heartbeat_at=now, lease_expires_at=now + dt.timedelta(seconds=lease_seconds))
+    )
+
+
+def _finish_attempt(attempt: Attempt, to: str, *, now: dt.datetime, error: str = "") -> bool:
+    return bool(
+        Attempt.objects.filter(
+            id=attempt.id,
+            state=AttemptState.RUNNING,
+            fencing_token=attempt.fencing_token,
+            run__fencing_token=attempt.fencing_token,
+        ).update(state=to, finished_at=now, error=error)
+    )
+
+
+def attempt_succeed(*, attempt: Attempt, now: dt.datetime, result=None) -> bool:
+    """running -> succeeded, for the attempt and its run, only with the current token."""
+    with transaction.atomic():
+        if not _finish_attempt(attempt, AttemptState.SUCCEEDED, now=now):
+            return False
+        won = _move_runs(
+            [attempt.run_id], RunState.SUCCEEDED, token=attempt.fencing_token,
+            finished_at=now, result=result, failure_reason="",
+        )
+        if not won:
+            transaction.set_rollback(True)
+        return bool(won)
+
+
+def attempt_fail(
+    *, attempt: Attempt, now: dt.datetime, error: str, retry_at: dt.datetime | None,
+    reason: str = FailureReason.EXHAUSTED,
+) -> bool:
+    """running -> failed for the attempt; the run waits for a retry at `retry_at`, or fails."""
+    with transaction.atomic():
+        if not _finish_attempt(attempt, AttemptState.FAILED, now=now, error=error):
+            return False
+        if retry_at is not None:
+            won = _move_runs(
+                [attempt.run_id], RunState.RETRY_WAIT, token=attempt.fencing_token,
+                next_attempt_at=retry_at,
+            )
+        else:
+            won = _move_runs(
+                [attempt.run_id], RunState.FAILED, token=attempt.fencing_token,
+                finished_at=now, failure_reason=reason,
+            )
+        if not won:
+            transaction.set_rollback(True)
+        return bool(won)
+

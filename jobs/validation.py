@@ -1,0 +1,199 @@
+"""The job body: strict input serializers that name the field and the reason of every error."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import re
+
+from django.conf import settings
+from rest_framework import serializers
+
+from dispatch.registry import registered_task_names
+
+from . import schedules
+from .retry import DEFAULT_RETRY
+
+QUEUE_RE = re.compile(r"^[A-Za-z0-9_.:-]{1,100}$")
+
+
+class StrictSerializer(serializers.Serializer):
+    """Refuses keys it does not know, so a typo is an error rather than a silent default."""
+
+    def to_internal_value(self, data):
+        if isinstance(data, dict):
+            unknown = sorted(set(data) - set(self.fields))
+            if unknown:
+                raise serializers.ValidationError(
+                    {key: ["Unknown field."] for key in unknown}
+                )
+        return super().to_internal_value(data)
+
+
+class StrictIntegerField(serializers.IntegerField):
+    """An integer given as a JSON number: "5", 5.5 and true are refused."""
+
+    def to_internal_value(self, data):
+        if isinstance(data, bool) or not isinstance(data, int | float):
+            raise serializers.ValidationError("Must be an integer (a JSON number).")
+        if isinstance(data, float) and not data.is_integer():
+            raise serializers.ValidationError("Must be a whole number.")
+        return super().to_internal_value(int(data))
+
+
+class StrictFloatField(serializers.FloatField):
+    def to_internal_value(self, data):
+        if isinstance(data, bool) or not isinstance(data, int | float):
+            raise serializers.ValidationError("Must be a number.")
+        return super().to_internal_value(data)
+
+
+class StrictBooleanField(serializers.BooleanField):
+    def to_internal_value(self, data):
+        if not isinstance(data, bool):
+            raise serializers.ValidationError("Must be true or false.")
+        return data
+
+
+class AwareDateTimeField(serializers.Field):
+    """An ISO 8601 instant with an explicit offset (Z or +hh:mm); stored as UTC text."""
+
+    def to_internal_value(self, data):
+        if not isinstance(data, str):
+            raise serializers.ValidationError("Must be an ISO 8601 date-time string.")
+        try:
+            value = dt.datetime.fromisoformat(data.strip())
+        except ValueError as exc:
+            raise serializers.ValidationError(
+                f"'{data}' is not an ISO 8601 date-time (e.g. 2026-01-31T09:00:00Z)."
+            ) from exc
+        if value.tzinfo is None:
+            raise serializers.ValidationError(
+                "Must include a UTC offset (e.g. Z or +01:00): a local time is ambiguous."
+            )
+        return value.astimezone(dt.UTC).isoformat()
+
+    def to_representation(self, value):
+        return value
+
+
+class ScheduleSerializer(StrictSerializer):
+    kind = serializers.ChoiceField(choices=["once", "cron", "interval"])
+    run_at = AwareDateTimeField(required=False)
+    expression = serializers.CharField(required=False, max_length=200)
+    timezone = serializers.CharField(required=False, max_length=64)
+    every_seconds = StrictIntegerField(required=False, min_value=1, max_value=366 * 86400)
+
+    REQUIRED = {"once": ("run_at",), "cron": ("expression",), "interval": ("every_seconds",)}
+
+    def validate(self, attrs):
+        kind = attrs["kind"]
+        required = self.REQUIRED[kind]
+        errors = {field: ["Required for a '%s' schedule." % kind] for field in required
+                  if field not in attrs}
+        errors |= {field: [f"Not allowed for a '{kind}' schedule."] for field in attrs
+                   if field != "kind" and field not in required
+                   and not (kind == "cron" and field == "timezone")}
+        if errors:
+            raise serializers.ValidationError(errors)
+        if kind == "cron":
+            try:
+                attrs["expression"] = schedules.normalize_cron(attrs["expression"])
+            except schedules.ScheduleError as exc:
+                raise serializers.ValidationError({"expression": [str(exc)]}) from exc
+            attrs.setdefault("timezone", "UTC")
+            try:
+                schedules.zone(attrs["timezone"])
+            except schedules.ScheduleError as exc:
+                raise serializers.ValidationError({"timezone": [str(exc)]}) from exc
+        return attrs
+
+
+class RetrySerializer(StrictSerializer):
+    max_attempts = StrictIntegerField(min_value=1, max_value=100, default=DEFAULT_RETRY["max_attempts"])
+    initial_delay_seconds = StrictFloatField(
+        min_value=0, max_value=86400, default=DEFAULT_RETRY["initial_delay_seconds"]
+    )
+    backoff_factor = StrictFloatField(min_value=1, max_value=10, default=DEFAULT_RETRY["backoff_factor"])
+    max_delay_seconds = StrictFloatField(
+        min_value=0, max_value=7 * 86400, default=DEFAULT_RETRY["max_delay_seconds"]
+    )
+    jitter = StrictBooleanField(default=DEFAULT_RETRY["jitter"])
+
+
+class MisfireSerializer(StrictSerializer):
+    policy = serializers.ChoiceField(choices=["run_all", "run_latest", "skip"], default="run_all")
+    grace_seconds = StrictIntegerField(min_value=0, max_value=366 * 86400, default=None,
+                                       allow_null=True)
+
+
+class DstSerializer(StrictSerializer):
+    gap = serializers.ChoiceField(choices=list(schedules.GAP_POLICIES), default="shift")
+    fold = serializers.ChoiceField(choices=list(schedules.FOLD_POLICIES), default="auto")
+
+
+class JobSpecSerializer(StrictSerializer):
+    """Everything a user may set on a job. Server-managed fields are not here at all."""
+
+    name = serializers.CharField(max_length=200)
+    task = serializers.CharField(max_length=200)
+    args = serializers.ListField(child=serializers.JSONField(), default=list)
+    kwargs = serializers.DictField(child=serializers.JSONField(), default=dict)
+    payload_ref = serializers.CharField(max_length=2000, required=False, allow_null=True,
+                                        default=None)
+    schedule = ScheduleSerializer()
+    retry = RetrySerializer(default=dict)
+    timeout_seconds = StrictIntegerField(min_value=1, max_value=7 * 86400, default=3600)
+    heartbeat_timeout_seconds = StrictIntegerField(min_value=1, max_value=3600, default=60)
+    overlap = serializers.ChoiceField(
+        choices=["skip", "allow", "buffer_one", "cancel_previous"], default="allow"
+    )
+    misfire = MisfireSerializer(default=dict)
+    dst = DstSerializer(default=dict)
+    jitter_seconds = StrictIntegerField(min_value=0, max_value=86400, default=0)
+    pause_after_failures = StrictIntegerField(min_value=1, max_value=1000, default=None,
+                                              allow_null=True)
+    delivery = serializers.ChoiceField(choices=["at_least_once", "at_most_once"],
+                                       default="at_least_once")
+    priority = StrictIntegerField(min_value=0, max_value=9, default=0)
+    queue = serializers.CharField(max_length=100, default=settings.SCHEDULER_DEFAULT_QUEUE)
+    labels = serializers.DictField(child=serializers.CharField(max_length=200), default=dict)
+    start_at = AwareDateTimeField(required=False, allow_null=True, default=None)
+    end_at = AwareDateTimeField(required=False, allow_null=True, default=None)
+
+    def validate_task(self, value):
+        if value not in registered_task_names():
+            raise serializers.ValidationError(
+                f"'{value}' is not a registered task (register it with @job_task and list its "
+                "module in SCHEDULER_TASK_MODULES)."
+            )
+        return value
+
+    def validate_queue(self, value):
+        if not QUEUE_RE.match(value):
+            raise serializers.ValidationError("Letters, digits and _ . : - only (1-100).")
+        return value
+
+    def validate_labels(self, value):
+        if len(value) > 32:
+            raise serializers.ValidationError("At most 32 labels.")
+        return value
+
+    NESTED_DEFAULTS = {"retry": RetrySerializer, "misfire": MisfireSerializer, "dst": DstSerializer}
+
+    def validate(self, attrs):
+        # An omitted policy is stored whole, with its defaults, in the job's version.
+        for field, serializer in self.NESTED_DEFAULTS.items():
+            if not attrs[field]:
+                attrs[field] = dict(serializer().run_validation({}))
+        limit = settings.SCHEDULER_MAX_PAYLOAD_BYTES
+        for field in ("args", "kwargs"):
+            size = len(json.dumps(attrs[field]).encode())
+            if size > limit:
+                raise serializers.ValidationError(
+                    {field: [f"Too large: {size} bytes as JSON, the limit is {limit}; pass "
+                             "large inputs by reference in payload_ref."]}
+                )
+        if attrs["start_at"] and attrs["end_at"] and attrs["end_at"] <= attrs["start_at"]:
+            raise serializers.ValidationError({"end_at": ["Must be later than start_at."]})
+        return attrs

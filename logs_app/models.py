@@ -1,0 +1,1 @@
+"""Run logs (issue: run logs). Until then a handler's ctx.logger writes to the worker's log."""

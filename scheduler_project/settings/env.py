@@ -1,0 +1,33 @@
+"""The one place that reads the environment (SPEC names)."""
+
+import os
+from pathlib import Path
+
+BASE_DIR = Path(__file__).resolve().parent.parent.parent
+# Embedded defaults keep their files here (SQLite database, filesystem broker).
+VAR_DIR = Path(os.environ.get("SCHEDULER_VAR_DIR", BASE_DIR / "var"))
+
+
+def env_str(name: str, default: str) -> str:
+    value = os.environ.get(name, "").strip()
+    return value or default
+
+
+def env_bool(name: str, default: bool) -> bool:
+    value = os.environ.get(name, "").strip().lower()
+    if not value:
+        return default
+    return value in {"1", "true", "yes", "on"}
+
+
+def env_list(name: str) -> list[str]:
+    return [item.strip() for item in os.environ.get(name, "").split(",") if item.strip()]
+
+
+DATABASE_URL = env_str("DATABASE_URL", f"sqlite:///{VAR_DIR / 'scheduler.sqlite3'}")
+CELERY_BROKER_URL = env_str("CELERY_BROKER_URL", "filesystem://")
+DJANGO_SECRET_KEY = os.environ.get("DJANGO_SECRET_KEY", "")
+DJANGO_DEBUG = env_bool("DJANGO_DEBUG", False)
+DJANGO_ALLOWED_HOSTS = env_list("DJANGO_ALLOWED_HOSTS") or ["localhost", "127.0.0.1", "[::1]"]
+SENTRY_DSN = os.environ.get("SENTRY_DSN", "")
+SCHEDULER_TASK_MODULES = env_list("SCHEDULER_TASK_MODULES")

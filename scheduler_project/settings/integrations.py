@@ -1,0 +1,66 @@
+"""Celery and Sentry: each key with its reason in docs/celery-settings.md."""
+
+from kombu import Exchange, Queue
+
+from . import env
+
+CELERY_BROKER_URL = env.CELERY_BROKER_URL
+EMBEDDED_BROKER = CELERY_BROKER_URL.startswith("filesystem://")
+
+# The worker consumes this queue unless told otherwise (-Q); jobs name it in `queue`.
+SCHEDULER_DEFAULT_QUEUE = "jobs"
+CELERY_TASK_DEFAULT_QUEUE = SCHEDULER_DEFAULT_QUEUE
+CELERY_TASK_QUEUES = [
+    Queue(
+        SCHEDULER_DEFAULT_QUEUE,
+        Exchange(SCHEDULER_DEFAULT_QUEUE, type="direct", durable=True),
+        routing_key=SCHEDULER_DEFAULT_QUEUE,
+        durable=True,
+    )
+]
+CELERY_TASK_CREATE_MISSING_QUEUES = True
+
+CELERY_TASK_ACKS_LATE = True
+CELERY_TASK_REJECT_ON_WORKER_LOST = True
+CELERY_TASK_ACKS_ON_FAILURE_OR_TIMEOUT = True
+CELERY_WORKER_PREFETCH_MULTIPLIER = 1
+CELERY_WORKER_CANCEL_LONG_RUNNING_TASKS_ON_CONNECTION_LOSS = True
+CELERY_TASK_SERIALIZER = "json"
+CELERY_RESULT_SERIALIZER = "json"
+CELERY_ACCEPT_CONTENT = ["json"]
+CELERY_TASK_DEFAULT_DELIVERY_MODE = "persistent"
+CELERY_TASK_IGNORE_RESULT = True
+CELERY_RESULT_BACKEND = None
+CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
+CELERY_BROKER_CONNECTION_MAX_RETRIES = None
+CELERY_WORKER_HIJACK_ROOT_LOGGER = False
+CELERY_WORKER_SEND_TASK_EVENTS = False
+CELERY_ENABLE_UTC = True
+
+if EMBEDDED_BROKER:
+    _broker_dir = env.VAR_DIR / "broker"
+    for _folder in ("messages", "control", "processed"):
+        (_broker_dir / _folder).mkdir(parents=True, exist_ok=True)
+    CELERY_BROKER_TRANSPORT_OPTIONS = {
+        "data_folder_in": str(_broker_dir / "messages"),
+        "data_folder_out": str(_broker_dir / "messages"),
+        "control_folder": str(_broker_dir / "control"),
+        "processed_folder": str(_broker_dir / "processed"),
+        "store_processed": False,
+        # The default interval moves ~7 tasks/s; 50 ms moves hundreds (FIELD-NOTES).
+        "polling_interval": 0.05,
+    }
+else:
+    # The relay waits for confirms itself, per batch; Celery's own publishes (none in
+    # the normal path) still wait for theirs.
+    CELERY_BROKER_TRANSPORT_OPTIONS = {"confirm_publish": True}
+
+SENTRY_DSN = env.SENTRY_DSN
+
+
+def init_sentry() -> None:
+    if not SENTRY_DSN:
+        return
+    import sentry_sdk
+
+    sentry_sdk.init(dsn=SENTRY_DSN, send_default_pii=False, traces_sample_rate=0.0)

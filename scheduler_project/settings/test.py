@@ -1,0 +1,16 @@
+"""Test settings: the real PostgreSQL and RabbitMQ unless the environment says otherwise."""
+
+import os
+
+os.environ.setdefault("DATABASE_URL", "postgres://postgres@127.0.0.1:5432/test")
+os.environ.setdefault("CELERY_BROKER_URL", "amqp://guest:guest@127.0.0.1:5672//")
+os.environ.setdefault("SCHEDULER_TASK_MODULES", "tests.sample_tasks")
+
+from .base import *  # noqa: E402,F403
+from .base import DATABASES  # noqa: E402
+
+# One database per test session, so that concurrent runs never meet.
+DATABASES["default"]["TEST"] = {"NAME": f"test_scheduler_{os.getpid()}"}
+DATABASES["default"]["CONN_MAX_AGE"] = 0
+PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]
+REST_FRAMEWORK = {**REST_FRAMEWORK, "DEFAULT_THROTTLE_RATES": {"user": "100000/min"}}  # noqa: F405

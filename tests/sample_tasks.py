@@ -1,0 +1,44 @@
+"""Tasks the test suite schedules. Each execution appends a line to the handler's own
+record (SAMPLE_TASK_RECORD, a file), which the tests read to count executions."""
+
+import json
+import os
+import time
+
+from dispatch import job_task
+
+
+def _record(ctx, event: str, **extra) -> None:
+    path = os.environ.get("SAMPLE_TASK_RECORD")
+    if not path:
+        return
+    line = json.dumps({"event": event, "run_id": ctx.run_id, "attempt": ctx.attempt,
+                       "token": ctx.fencing_token, "at": time.time(), **extra})
+    # O_APPEND writes of one short line are atomic between processes.
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, (line + "\n").encode())
+    finally:
+        os.close(fd)
+
+
+@job_task(name="tests.record")
+def record(ctx, *args, **kwargs):
+    _record(ctx, "executed", args=list(args), kwargs=kwargs)
+    return {"ok": True, "args": list(args)}
+
+
+@job_task(name="tests.fail")
+def fail(ctx, message="boom"):
+    _record(ctx, "executed")
+    raise RuntimeError(message)
+
+
+@job_task(name="tests.sleep")
+def sleep(ctx, seconds=1.0):
+    _record(ctx, "started")
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline and not ctx.cancel_requested:
+        time.sleep(0.05)
+    _record(ctx, "executed")
+    return {"slept": seconds}
