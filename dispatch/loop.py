@@ -40,7 +40,11 @@ class StopSignal:
 
 
 def run_loop(
-    step: Callable[[], float], *, name: str, stop: StopSignal, max_steps: int | None = None,
+    step: Callable[[], float],
+    *,
+    name: str,
+    stop: StopSignal,
+    max_steps: int | None = None,
     on_error: Callable[[BaseException], None] | None = None,
 ) -> None:
     log = logging.getLogger(f"dispatch.{name}")

@@ -20,14 +20,22 @@ LAG_WINDOW = dt.timedelta(minutes=10)
 LAG_SAMPLE = 10_000
 COUNTERS = {
     "scheduler_attempts_total": "Attempts finished, by outcome.",
-    "scheduler_duplicate_deliveries_total": "Deliveries refused: their run was already claimed or finished.",
-    "scheduler_stale_completions_total": "Completions, heartbeats or effects refused for a stale fencing token.",
+    "scheduler_duplicate_deliveries_total": (
+        "Deliveries refused: their run was already claimed or finished."
+    ),
+    "scheduler_stale_completions_total": (
+        "Completions, heartbeats or effects refused for a stale fencing token."
+    ),
     "scheduler_lease_expired_total": "Attempts whose lease expired.",
     "scheduler_dead_letter_total": "Runs that ended failed.",
 }
 STAGES = {
     "scheduler_discovery_lag_seconds": ("due_at", "created_at", "Due -> run created."),
-    "scheduler_publish_lag_seconds": ("created_at", "published_at", "Run created -> confirmed by the broker."),
+    "scheduler_publish_lag_seconds": (
+        "created_at",
+        "published_at",
+        "Run created -> confirmed by the broker.",
+    ),
     "scheduler_queue_wait_seconds": ("published_at", "started_at", "Published -> attempt started."),
     "scheduler_run_duration_seconds": ("started_at", "finished_at", "Started -> finished."),
 }
@@ -37,9 +45,9 @@ def _quantiles(values: list[float]) -> dict[str, float]:
     values = sorted(values)
     if not values:
         return {}
-    return {q: values[min(len(values) - 1, int(float(q) * len(values)))] for q in ("0.5", "0.99")} | {
-        "1": values[-1]
-    }
+    return {
+        q: values[min(len(values) - 1, int(float(q) * len(values)))] for q in ("0.5", "0.99")
+    } | {"1": values[-1]}
 
 
 class DatabaseCollector:
@@ -54,20 +62,26 @@ class DatabaseCollector:
                 family.add_metric([""], 0)
             yield family
         backlog = OutboxMessage.objects.filter(state=OutboxState.PENDING).count()
-        yield GaugeMetricFamily("scheduler_outbox_backlog", "Outbox rows not yet published.", value=backlog)
+        yield GaugeMetricFamily(
+            "scheduler_outbox_backlog", "Outbox rows not yet published.", value=backlog
+        )
         oldest = Job.objects.filter(state=JobState.ACTIVE).aggregate(at=Min("next_run_at"))["at"]
         overdue = max(0.0, (now - oldest).total_seconds()) if oldest else 0.0
         yield GaugeMetricFamily(
-            "scheduler_oldest_overdue_seconds", "Age of the oldest due occurrence not yet materialized.",
+            "scheduler_oldest_overdue_seconds",
+            "Age of the oldest due occurrence not yet materialized.",
             value=overdue,
         )
         recent = Run.objects.filter(created_at__gte=now - LAG_WINDOW)
         for name, (start, end, help_text) in STAGES.items():
-            family = GaugeMetricFamily(name, f"{help_text} Quantiles over the last 10 minutes.",
-                                       labels=["quantile"])
-            durations = recent.filter(**{f"{start}__isnull": False, f"{end}__isnull": False}).annotate(
-                lag=ExpressionWrapper(F(end) - F(start), output_field=DurationField())
-            ).values_list("lag", flat=True)[:LAG_SAMPLE]
+            family = GaugeMetricFamily(
+                name, f"{help_text} Quantiles over the last 10 minutes.", labels=["quantile"]
+            )
+            durations = (
+                recent.filter(**{f"{start}__isnull": False, f"{end}__isnull": False})
+                .annotate(lag=ExpressionWrapper(F(end) - F(start), output_field=DurationField()))
+                .values_list("lag", flat=True)[:LAG_SAMPLE]
+            )
             for quantile, value in _quantiles([d.total_seconds() for d in durations]).items():
                 family.add_metric([quantile], value)
             yield family

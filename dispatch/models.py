@@ -20,7 +20,9 @@ class OutboxMessage(models.Model):
     task_name = models.CharField(max_length=200)
     queue = models.CharField(max_length=100)
     priority = models.PositiveSmallIntegerField(default=0)
-    state = models.CharField(max_length=16, choices=OutboxState.choices, default=OutboxState.PENDING)
+    state = models.CharField(
+        max_length=16, choices=OutboxState.choices, default=OutboxState.PENDING
+    )
     created_at = models.DateTimeField()
     published_at = models.DateTimeField(null=True, blank=True)
     publish_tries = models.PositiveIntegerField(default=0)

@@ -27,7 +27,9 @@ def job_task(name: str, **celery_options):
             from .runtime import run_execute_delivery
 
             return run_execute_delivery(
-                run_id=run_id, handler=handler, worker=self.request.hostname or "",
+                run_id=run_id,
+                handler=handler,
+                worker=self.request.hostname or "",
                 message_id=self.request.id or "",
             )
 

@@ -87,7 +87,9 @@ class ConfirmingPublisher:
         for message in messages:
             queue = app.amqp.queues[message.queue]
             task = app.amqp.as_task_v2(
-                str(message.message_id), message.task_name, args=(),
+                str(message.message_id),
+                message.task_name,
+                args=(),
                 kwargs={"run_id": str(message.run_id)},
             )
             producer.publish(

@@ -120,9 +120,12 @@ class RunContext:
         the same run that the effect was already committed, so it skips the work.
         """
         with transaction.atomic():
-            locked = Run.objects.select_for_update().filter(id=self.run_id).values_list(
-                "state", "fencing_token"
-            ).first()
+            locked = (
+                Run.objects.select_for_update()
+                .filter(id=self.run_id)
+                .values_list("state", "fencing_token")
+                .first()
+            )
             if locked != (RunState.RUNNING, self.fencing_token):
                 counter_increment("scheduler_stale_completions_total", labels='kind="effect"')
                 raise StaleAttempt(f"attempt {self.attempt} of run {self.run_id} is stale")
@@ -131,7 +134,9 @@ class RunContext:
             yield record
             if not done:
                 Effect.objects.create(
-                    run_id=self.run_id, name=name, attempt_number=self.attempt,
+                    run_id=self.run_id,
+                    name=name,
+                    attempt_number=self.attempt,
                     fencing_token=self.fencing_token,
                 )
 
@@ -167,7 +172,9 @@ def run_execute_delivery(*, run_id: str, handler: Callable, worker: str, message
         spec = run.job_version.spec if run else None
         attempt = (
             run_claim(
-                run_id=run_id, worker=worker, now=db_now(),
+                run_id=run_id,
+                worker=worker,
+                now=db_now(),
                 lease_seconds=spec["heartbeat_timeout_seconds"],
             )
             if run
@@ -185,14 +192,19 @@ def run_execute_delivery(*, run_id: str, handler: Callable, worker: str, message
 
     keeper = LeaseKeeper(attempt, spec["heartbeat_timeout_seconds"]).start()
     ctx = RunContext(
-        run_id=str(run.id), job_id=str(run.job_id), attempt=attempt.number,
-        idempotency_key=run.idempotency_key, fencing_token=attempt.fencing_token,
-        scheduled_for=run.scheduled_for, payload_ref=spec.get("payload_ref"),
+        run_id=str(run.id),
+        job_id=str(run.job_id),
+        attempt=attempt.number,
+        idempotency_key=run.idempotency_key,
+        fencing_token=attempt.fencing_token,
+        scheduled_for=run.scheduled_for,
+        payload_ref=spec.get("payload_ref"),
         logger=logging.LoggerAdapter(
             logging.getLogger(f"jobs.task.{spec['task']}"),
             {"run_id": str(run.id), "attempt": attempt.number},
         ),
-        _attempt=attempt, _keeper=keeper,
+        _attempt=attempt,
+        _keeper=keeper,
     )
     try:
         result = handler(ctx, *spec["args"], **spec["kwargs"])
@@ -205,7 +217,8 @@ def run_execute_delivery(*, run_id: str, handler: Callable, worker: str, message
         def write() -> bool:
             now = db_now()
             retry_at = (
-                now + dt.timedelta(
+                now
+                + dt.timedelta(
                     seconds=retry_delay_seconds(spec["retry"], attempt_number=attempt.number)
                 )
                 if retry
@@ -225,4 +238,3 @@ def run_execute_delivery(*, run_id: str, handler: Callable, worker: str, message
         outcome = "stale"
     counter_increment("scheduler_attempts_total", labels=f'outcome="{outcome}"')
     return {"run_id": run_id, "attempt": attempt.number, "outcome": outcome}
-

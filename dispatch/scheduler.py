@@ -65,7 +65,8 @@ def _materialize_due_jobs(*, now: dt.datetime, limit: int) -> int:
     # Occurrences that already have their run (a rewound next_run_at) are only advanced.
     existing = set(
         Run.objects.filter(
-            job_id__in=[job.id for job in jobs], kind=RunKind.SCHEDULED,
+            job_id__in=[job.id for job in jobs],
+            kind=RunKind.SCHEDULED,
             scheduled_for__in=[job.next_run_at for job in jobs],
         ).values_list("job_id", "scheduled_for")
     )
@@ -109,9 +110,9 @@ def _promote_due_retries(*, now: dt.datetime, limit: int) -> int:
 def scheduler_next_due(*, now: dt.datetime) -> dt.datetime | None:
     """The earliest instant at which there will be work (both queries use partial indexes)."""
     job_due = Job.objects.filter(state=JobState.ACTIVE).aggregate(at=Min("next_run_at"))["at"]
-    retry_due = Run.objects.filter(state=RunState.RETRY_WAIT).aggregate(
-        at=Min("next_attempt_at")
-    )["at"]
+    retry_due = Run.objects.filter(state=RunState.RETRY_WAIT).aggregate(at=Min("next_attempt_at"))[
+        "at"
+    ]
     candidates = [at for at in (job_due, retry_due) if at is not None]
     return min(candidates) if candidates else None
 

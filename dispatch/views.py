@@ -29,8 +29,9 @@ def readyz(request):
     except Exception as exc:  # noqa: BLE001 - reported, not raised
         checks["database"] = f"error: {exc}"
     try:
-        with Connection(settings.CELERY_BROKER_URL,
-                        transport_options=settings.CELERY_BROKER_TRANSPORT_OPTIONS) as broker:
+        with Connection(
+            settings.CELERY_BROKER_URL, transport_options=settings.CELERY_BROKER_TRANSPORT_OPTIONS
+        ) as broker:
             broker.ensure_connection(max_retries=1, timeout=3)
         checks["broker"] = "ok"
     except Exception as exc:  # noqa: BLE001 - reported, not raised

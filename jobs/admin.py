@@ -37,16 +37,34 @@ class JobAdmin(ReadOnlyAdmin):
 class AttemptInline(admin.TabularInline):
     model = Attempt
     extra = 0
-    fields = ("number", "state", "fencing_token", "worker", "started_at", "heartbeat_at",
-              "lease_expires_at", "finished_at", "error")
+    fields = (
+        "number",
+        "state",
+        "fencing_token",
+        "worker",
+        "started_at",
+        "heartbeat_at",
+        "lease_expires_at",
+        "finished_at",
+        "error",
+    )
     readonly_fields = fields
     can_delete = False
 
 
 @admin.register(Run)
 class RunAdmin(ReadOnlyAdmin):
-    list_display = ("id", "job", "kind", "state", "scheduled_for", "attempt_count",
-                    "failure_reason", "duplicate_deliveries", "finished_at")
+    list_display = (
+        "id",
+        "job",
+        "kind",
+        "state",
+        "scheduled_for",
+        "attempt_count",
+        "failure_reason",
+        "duplicate_deliveries",
+        "finished_at",
+    )
     list_filter = ("state", "kind", "failure_reason")
     search_fields = ("id", "job__name", "idempotency_key")
     date_hierarchy = "scheduled_for"
@@ -55,7 +73,15 @@ class RunAdmin(ReadOnlyAdmin):
 
 @admin.register(Attempt)
 class AttemptAdmin(ReadOnlyAdmin):
-    list_display = ("run", "number", "state", "fencing_token", "worker", "started_at", "finished_at")
+    list_display = (
+        "run",
+        "number",
+        "state",
+        "fencing_token",
+        "worker",
+        "started_at",
+        "finished_at",
+    )
     list_filter = ("state",)
 
 

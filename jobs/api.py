@@ -71,8 +71,11 @@ class RunOutput(serializers.Serializer):
     def get_timestamps(self, run) -> dict:
         field = serializers.DateTimeField()
         stages = {
-            "due": run.due_at, "created": run.created_at, "published": run.published_at,
-            "started": run.started_at, "finished": run.finished_at,
+            "due": run.due_at,
+            "created": run.created_at,
+            "published": run.published_at,
+            "started": run.started_at,
+            "finished": run.finished_at,
         }
         return {stage: field.to_representation(at) if at else None for stage, at in stages.items()}
 
@@ -106,7 +109,12 @@ def _page(request, view, queryset, output):
 class JobListApi(APIView):
     @extend_schema(parameters=[JobFilters], responses=JobOutput(many=True))
     def get(self, request):
-        return _page(request, self, job_list(user=request.user, filters=_filters(JobFilters, request)), JobOutput)
+        return _page(
+            request,
+            self,
+            job_list(user=request.user, filters=_filters(JobFilters, request)),
+            JobOutput,
+        )
 
     @extend_schema(request=JobSpecSerializer, responses={201: JobOutput})
     def post(self, request):
@@ -137,7 +145,12 @@ class JobRunListApi(APIView):
 class RunListApi(APIView):
     @extend_schema(parameters=[RunFilters], responses=RunOutput(many=True))
     def get(self, request):
-        return _page(request, self, run_list(user=request.user, filters=_filters(RunFilters, request)), RunOutput)
+        return _page(
+            request,
+            self,
+            run_list(user=request.user, filters=_filters(RunFilters, request)),
+            RunOutput,
+        )
 
 
 class RunDetailApi(APIView):
@@ -147,4 +160,3 @@ class RunDetailApi(APIView):
         if run is None:
             raise Http404
         return Response(RunOutput(run).data)
-

@@ -66,7 +66,9 @@ class AttemptState(models.TextChoices):
 
 class Job(models.Model):
     id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
-    owner = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.PROTECT, related_name="jobs")
+    owner = models.ForeignKey(
+        settings.AUTH_USER_MODEL, on_delete=models.PROTECT, related_name="jobs"
+    )
     name = models.CharField(max_length=200)
     task = models.CharField(max_length=200)
     state = models.CharField(max_length=16, choices=JobState.choices, default=JobState.ACTIVE)
@@ -84,15 +86,11 @@ class Job(models.Model):
 
     class Meta:
         indexes = [
-            models.Index(
-                fields=["next_run_at"], name="job_due_idx", condition=Q(state="active")
-            ),
+            models.Index(fields=["next_run_at"], name="job_due_idx", condition=Q(state="active")),
             models.Index(fields=["owner", "created_at"], name="job_owner_idx"),
         ]
         constraints = [
-            models.CheckConstraint(
-                condition=Q(state__in=JobState.values), name="job_state_valid"
-            ),
+            models.CheckConstraint(condition=Q(state__in=JobState.values), name="job_state_valid"),
         ]
 
     def __str__(self) -> str:
@@ -150,14 +148,16 @@ class Run(models.Model):
             models.Index(fields=["job", "-scheduled_for"], name="run_job_idx"),
             models.Index(fields=["state", "-created_at"], name="run_state_idx"),
             models.Index(
-                fields=["next_attempt_at"], name="run_retry_due_idx",
+                fields=["next_attempt_at"],
+                name="run_retry_due_idx",
                 condition=Q(state="retry_wait"),
             ),
         ]
         constraints = [
             # One scheduled run per occurrence, however many scheduler replicas run.
             models.UniqueConstraint(
-                fields=["job", "scheduled_for"], name="run_one_per_occurrence",
+                fields=["job", "scheduled_for"],
+                name="run_one_per_occurrence",
                 condition=Q(kind="scheduled"),
             ),
             models.CheckConstraint(condition=Q(state__in=RunState.values), name="run_state_valid"),
@@ -194,7 +194,8 @@ class Attempt(models.Model):
         ]
         indexes = [
             models.Index(
-                fields=["lease_expires_at"], name="attempt_lease_idx",
+                fields=["lease_expires_at"],
+                name="attempt_lease_idx",
                 condition=Q(state="running"),
             ),
         ]

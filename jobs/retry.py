@@ -11,12 +11,15 @@ DEFAULT_RETRY = {
 }
 
 
-def retry_delay_seconds(policy: dict, *, attempt_number: int, rng: random.Random | None = None) -> float:
+def retry_delay_seconds(
+    policy: dict, *, attempt_number: int, rng: random.Random | None = None
+) -> float:
     """Delay before the attempt after `attempt_number` (1-based) failed."""
     policy = {**DEFAULT_RETRY, **policy}
     ceiling = min(
         float(policy["max_delay_seconds"]),
-        float(policy["initial_delay_seconds"]) * float(policy["backoff_factor"]) ** (attempt_number - 1),
+        float(policy["initial_delay_seconds"])
+        * float(policy["backoff_factor"]) ** (attempt_number - 1),
     )
     if policy["jitter"]:
         # Full jitter (AWS architecture blog): spreads a burst of failures evenly.

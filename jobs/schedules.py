@@ -111,7 +111,9 @@ def _offset_range(instant: dt.datetime, tz: zoneinfo.ZoneInfo) -> tuple[dt.timed
     every offset in between.
     """
     day = dt.timedelta(hours=26)
-    offsets = [(instant + shift).astimezone(tz).utcoffset() for shift in (-day, dt.timedelta(0), day)]
+    offsets = [
+        (instant + shift).astimezone(tz).utcoffset() for shift in (-day, dt.timedelta(0), day)
+    ]
     return min(offsets), max(offsets)
 
 
@@ -146,7 +148,11 @@ def _cron_occurrences(
 
 
 def occurrences(
-    schedule: dict, *, after: dt.datetime, dst: dict | None = None, anchor: dt.datetime | None = None
+    schedule: dict,
+    *,
+    after: dt.datetime,
+    dst: dict | None = None,
+    anchor: dt.datetime | None = None,
 ) -> Iterator[Occurrence]:
     """Every fire instant of `schedule` strictly after `after` (aware), in order.
 
@@ -181,7 +187,11 @@ def schedule_run_at(schedule: dict) -> dt.datetime:
 
 
 def next_fire(
-    schedule: dict, *, after: dt.datetime, dst: dict | None = None, anchor: dt.datetime | None = None
+    schedule: dict,
+    *,
+    after: dt.datetime,
+    dst: dict | None = None,
+    anchor: dt.datetime | None = None,
 ) -> dt.datetime | None:
     """The first fire instant strictly after `after`, or None when the schedule is over."""
     for occurrence in occurrences(schedule, after=after, dst=dst, anchor=anchor):

@@ -56,8 +56,11 @@ def job_create(*, owner: AbstractBaseUser, spec: dict, now: dt.datetime) -> Job:
         )
         JobVersion.objects.create(job=job, version=job.version, spec=spec, created_by=owner)
         AuditEvent.objects.create(
-            actor=owner, actor_label=f"user:{owner.get_username()}", action="job.created",
-            job=job, data={"version": job.version},
+            actor=owner,
+            actor_label=f"user:{owner.get_username()}",
+            action="job.created",
+            job=job,
+            data={"version": job.version},
         )
     return job
 
@@ -70,7 +73,9 @@ def run_record_duplicate_delivery(*, run_id, worker: str, message_id: str) -> No
         )
         if found:
             AuditEvent.objects.create(
-                actor_label=f"system:worker:{worker}"[:200], action="run.duplicate_delivery_refused",
-                run_id=run_id, data={"message_id": message_id},
+                actor_label=f"system:worker:{worker}"[:200],
+                action="run.duplicate_delivery_refused",
+                run_id=run_id,
+                data={"message_id": message_id},
             )
         counter_increment("scheduler_duplicate_deliveries_total")

@@ -53,9 +53,12 @@ def run_claim(*, run_id, worker: str, now: dt.datetime, lease_seconds: float) ->
     finished, which the caller refuses and counts.
     """
     with transaction.atomic():
-        run = Run.objects.select_for_update().filter(id=run_id).only(
-            "id", "state", "fencing_token", "attempt_count"
-        ).first()
+        run = (
+            Run.objects.select_for_update()
+            .filter(id=run_id)
+            .only("id", "state", "fencing_token", "attempt_count")
+            .first()
+        )
         if run is None or run.state != RunState.QUEUED:
             return None
         token, number = run.fencing_token + 1, run.attempt_count + 1
@@ -112,8 +115,12 @@ def attempt_succeed(*, attempt: Attempt, now: dt.datetime, result=None) -> bool:
         if not _finish_attempt(attempt, AttemptState.SUCCEEDED, now=now):
             return False
         won = _move_runs(
-            [attempt.run_id], RunState.SUCCEEDED, token=attempt.fencing_token,
-            finished_at=now, result=result, failure_reason="",
+            [attempt.run_id],
+            RunState.SUCCEEDED,
+            token=attempt.fencing_token,
+            finished_at=now,
+            result=result,
+            failure_reason="",
         )
         if not won:
             transaction.set_rollback(True)
@@ -121,7 +128,11 @@ def attempt_succeed(*, attempt: Attempt, now: dt.datetime, result=None) -> bool:
 
 
 def attempt_fail(
-    *, attempt: Attempt, now: dt.datetime, error: str, retry_at: dt.datetime | None,
+    *,
+    attempt: Attempt,
+    now: dt.datetime,
+    error: str,
+    retry_at: dt.datetime | None,
     reason: str = FailureReason.EXHAUSTED,
 ) -> bool:
     """running -> failed for the attempt; the run waits for a retry at `retry_at`, or fails."""
@@ -130,15 +141,19 @@ def attempt_fail(
             return False
         if retry_at is not None:
             won = _move_runs(
-                [attempt.run_id], RunState.RETRY_WAIT, token=attempt.fencing_token,
+                [attempt.run_id],
+                RunState.RETRY_WAIT,
+                token=attempt.fencing_token,
                 next_attempt_at=retry_at,
             )
         else:
             won = _move_runs(
-                [attempt.run_id], RunState.FAILED, token=attempt.fencing_token,
-                finished_at=now, failure_reason=reason,
+                [attempt.run_id],
+                RunState.FAILED,
+                token=attempt.fencing_token,
+                finished_at=now,
+                failure_reason=reason,
             )
         if not won:
             transaction.set_rollback(True)
         return bool(won)
-

@@ -24,9 +24,7 @@ class StrictSerializer(serializers.Serializer):
         if isinstance(data, dict):
             unknown = sorted(set(data) - set(self.fields))
             if unknown:
-                raise serializers.ValidationError(
-                    {key: ["Unknown field."] for key in unknown}
-                )
+                raise serializers.ValidationError({key: ["Unknown field."] for key in unknown})
         return super().to_internal_value(data)
 
 
@@ -89,11 +87,18 @@ class ScheduleSerializer(StrictSerializer):
     def validate(self, attrs):
         kind = attrs["kind"]
         required = self.REQUIRED[kind]
-        errors = {field: ["Required for a '%s' schedule." % kind] for field in required
-                  if field not in attrs}
-        errors |= {field: [f"Not allowed for a '{kind}' schedule."] for field in attrs
-                   if field != "kind" and field not in required
-                   and not (kind == "cron" and field == "timezone")}
+        errors = {
+            field: [f"Required for a '{kind}' schedule."]
+            for field in required
+            if field not in attrs
+        }
+        errors |= {
+            field: [f"Not allowed for a '{kind}' schedule."]
+            for field in attrs
+            if field != "kind"
+            and field not in required
+            and not (kind == "cron" and field == "timezone")
+        }
         if errors:
             raise serializers.ValidationError(errors)
         if kind == "cron":
@@ -110,11 +115,15 @@ class ScheduleSerializer(StrictSerializer):
 
 
 class RetrySerializer(StrictSerializer):
-    max_attempts = StrictIntegerField(min_value=1, max_value=100, default=DEFAULT_RETRY["max_attempts"])
+    max_attempts = StrictIntegerField(
+        min_value=1, max_value=100, default=DEFAULT_RETRY["max_attempts"]
+    )
     initial_delay_seconds = StrictFloatField(
         min_value=0, max_value=86400, default=DEFAULT_RETRY["initial_delay_seconds"]
     )
-    backoff_factor = StrictFloatField(min_value=1, max_value=10, default=DEFAULT_RETRY["backoff_factor"])
+    backoff_factor = StrictFloatField(
+        min_value=1, max_value=10, default=DEFAULT_RETRY["backoff_factor"]
+    )
     max_delay_seconds = StrictFloatField(
         min_value=0, max_value=7 * 86400, default=DEFAULT_RETRY["max_delay_seconds"]
     )
@@ -123,8 +132,9 @@ class RetrySerializer(StrictSerializer):
 
 class MisfireSerializer(StrictSerializer):
     policy = serializers.ChoiceField(choices=["run_all", "run_latest", "skip"], default="run_all")
-    grace_seconds = StrictIntegerField(min_value=0, max_value=366 * 86400, default=None,
-                                       allow_null=True)
+    grace_seconds = StrictIntegerField(
+        min_value=0, max_value=366 * 86400, default=None, allow_null=True
+    )
 
 
 class DstSerializer(StrictSerializer):
@@ -139,8 +149,9 @@ class JobSpecSerializer(StrictSerializer):
     task = serializers.CharField(max_length=200)
     args = serializers.ListField(child=serializers.JSONField(), default=list)
     kwargs = serializers.DictField(child=serializers.JSONField(), default=dict)
-    payload_ref = serializers.CharField(max_length=2000, required=False, allow_null=True,
-                                        default=None)
+    payload_ref = serializers.CharField(
+        max_length=2000, required=False, allow_null=True, default=None
+    )
     schedule = ScheduleSerializer()
     retry = RetrySerializer(default=dict)
     timeout_seconds = StrictIntegerField(min_value=1, max_value=7 * 86400, default=3600)
@@ -151,10 +162,12 @@ class JobSpecSerializer(StrictSerializer):
     misfire = MisfireSerializer(default=dict)
     dst = DstSerializer(default=dict)
     jitter_seconds = StrictIntegerField(min_value=0, max_value=86400, default=0)
-    pause_after_failures = StrictIntegerField(min_value=1, max_value=1000, default=None,
-                                              allow_null=True)
-    delivery = serializers.ChoiceField(choices=["at_least_once", "at_most_once"],
-                                       default="at_least_once")
+    pause_after_failures = StrictIntegerField(
+        min_value=1, max_value=1000, default=None, allow_null=True
+    )
+    delivery = serializers.ChoiceField(
+        choices=["at_least_once", "at_most_once"], default="at_least_once"
+    )
     priority = StrictIntegerField(min_value=0, max_value=9, default=0)
     queue = serializers.CharField(max_length=100, default=settings.SCHEDULER_DEFAULT_QUEUE)
     labels = serializers.DictField(child=serializers.CharField(max_length=200), default=dict)
@@ -191,8 +204,12 @@ class JobSpecSerializer(StrictSerializer):
             size = len(json.dumps(attrs[field]).encode())
             if size > limit:
                 raise serializers.ValidationError(
-                    {field: [f"Too large: {size} bytes as JSON, the limit is {limit}; pass "
-                             "large inputs by reference in payload_ref."]}
+                    {
+                        field: [
+                            f"Too large: {size} bytes as JSON, the limit is {limit}; pass "
+                            "large inputs by reference in payload_ref."
+                        ]
+                    }
                 )
         if attrs["start_at"] and attrs["end_at"] and attrs["end_at"] <= attrs["start_at"]:
             raise serializers.ValidationError({"end_at": ["Must be later than start_at."]})

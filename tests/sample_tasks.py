@@ -12,8 +12,16 @@ def _record(ctx, event: str, **extra) -> None:
     path = os.environ.get("SAMPLE_TASK_RECORD")
     if not path:
         return
-    line = json.dumps({"event": event, "run_id": ctx.run_id, "attempt": ctx.attempt,
-                       "token": ctx.fencing_token, "at": time.time(), **extra})
+    line = json.dumps(
+        {
+            "event": event,
+            "run_id": ctx.run_id,
+            "attempt": ctx.attempt,
+            "token": ctx.fencing_token,
+            "at": time.time(),
+            **extra,
+        }
+    )
     # O_APPEND writes of one short line are atomic between processes.
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     try:

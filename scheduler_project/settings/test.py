@@ -3,7 +3,12 @@
 import os
 
 os.environ.setdefault("DATABASE_URL", "postgres://postgres@127.0.0.1:5432/test")
-os.environ.setdefault("CELERY_BROKER_URL", "amqp://guest:guest@127.0.0.1:5672//")
+# One RabbitMQ vhost per test session (created by tests/conftest.py), unless a broker URL
+# is given explicitly.
+TEST_RABBITMQ_VHOST = None
+if "CELERY_BROKER_URL" not in os.environ:
+    TEST_RABBITMQ_VHOST = f"scheduler_test_{os.getpid()}"
+    os.environ["CELERY_BROKER_URL"] = f"amqp://guest:guest@127.0.0.1:5672/{TEST_RABBITMQ_VHOST}"
 os.environ.setdefault("SCHEDULER_TASK_MODULES", "tests.sample_tasks")
 
 from .base import *  # noqa: E402,F403

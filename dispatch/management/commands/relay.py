@@ -26,7 +26,12 @@ class Command(BaseCommand):
 
         self.stdout.write("relay started")
         try:
-            run_loop(step, name="relay", stop=StopSignal().install(), max_steps=max_steps,
-                     on_error=lambda exc: publisher.reset())
+            run_loop(
+                step,
+                name="relay",
+                stop=StopSignal().install(),
+                max_steps=max_steps,
+                on_error=lambda exc: publisher.reset(),
+            )
         finally:
             publisher.close()

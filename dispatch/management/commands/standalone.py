@@ -36,18 +36,23 @@ class Command(BaseCommand):
         username, password, token = self._first_user()
         base = f"http://{host}:{port}"
         self.stdout.write(
-            "\n".join([
-                "Scheduler running on "
-                + ("embedded defaults (SQLite, filesystem broker)" if settings.EMBEDDED_BROKER
-                   else "the configured database and broker"),
-                f"  API:       {base}/api/v1/jobs/",
-                f"  Schema:    {base}/api/schema/",
-                f"  Admin:     {base}/admin/",
-                f"  User:      {username}" + (f"  password: {password}" if password else ""),
-                f"  API token: {token}",
-                f"  Try:       curl -H 'Authorization: Token {token}' {base}/api/v1/jobs/",
-                "Ctrl-C stops everything.",
-            ])
+            "\n".join(
+                [
+                    "Scheduler running on "
+                    + (
+                        "embedded defaults (SQLite, filesystem broker)"
+                        if settings.EMBEDDED_BROKER
+                        else "the configured database and broker"
+                    ),
+                    f"  API:       {base}/api/v1/jobs/",
+                    f"  Schema:    {base}/api/schema/",
+                    f"  Admin:     {base}/admin/",
+                    f"  User:      {username}" + (f"  password: {password}" if password else ""),
+                    f"  API token: {token}",
+                    f"  Try:       curl -H 'Authorization: Token {token}' {base}/api/v1/jobs/",
+                    "Ctrl-C stops everything.",
+                ]
+            )
         )
         self.stdout.flush()
         env = {**os.environ, "DJANGO_SETTINGS_MODULE": os.environ["DJANGO_SETTINGS_MODULE"]}
@@ -56,9 +61,20 @@ class Command(BaseCommand):
             "web": [*django, "runserver", "--noreload", "--insecure", f"{host}:{port}"],
             "scheduler": [*django, "scheduler"],
             "relay": [*django, "relay"],
-            "worker": [sys.executable, "-m", "celery", "-A", "scheduler_project", "worker",
-                       "--loglevel=INFO", f"--concurrency={worker_concurrency}",
-                       "-Q", settings.SCHEDULER_DEFAULT_QUEUE, "-n", "standalone@%h"],
+            "worker": [
+                sys.executable,
+                "-m",
+                "celery",
+                "-A",
+                "scheduler_project",
+                "worker",
+                "--loglevel=INFO",
+                f"--concurrency={worker_concurrency}",
+                "-Q",
+                settings.SCHEDULER_DEFAULT_QUEUE,
+                "-n",
+                "standalone@%h",
+            ],
         }
         Supervisor(commands, env, self.stdout).run()
 

@@ -1,0 +1,99 @@
+"""A job travels from the REST API through PostgreSQL, the outbox and RabbitMQ to a real
+Celery worker, and back: real HTTP, real processes."""
+
+import datetime as dt
+
+import pytest
+import requests
+from rest_framework.authtoken.models import Token
+
+from jobs.models import Run, RunState
+from tests.processes import wait_for
+
+pytestmark = pytest.mark.slow
+
+
+def _run_at(seconds: float) -> str:
+    return (dt.datetime.now(dt.UTC) + dt.timedelta(seconds=seconds)).isoformat()
+
+
+@pytest.fixture
+def http(live_server, user):
+    session = requests.Session()
+    session.headers["Authorization"] = f"Token {Token.objects.create(user=user).key}"
+    session.base = f"{live_server.url}/api/v1"
+    return session
+
+
+def test_one_time_job_due_in_two_seconds_runs_once(stack, http):
+    stack.scheduler()
+    stack.relay()
+    stack.worker()
+    created = http.post(
+        f"{http.base}/jobs/",
+        json={
+            "name": "hello",
+            "task": "tests.record",
+            "args": [1, "two"],
+            "kwargs": {"k": 3},
+            "schedule": {"kind": "once", "run_at": _run_at(2)},
+        },
+    )
+    assert created.status_code == 201, created.text
+    job_id = created.json()["id"]
+
+    def finished_run():
+        runs = http.get(f"{http.base}/runs/", params={"job": job_id}).json()["results"]
+        return runs if runs and runs[0]["state"] in ("succeeded", "failed") else None
+
+    runs = wait_for(finished_run, timeout=30, message="the run to finish")
+    assert len(runs) == 1
+    run = http.get(f"{http.base}/runs/{runs[0]['id']}/").json()
+    assert run["state"] == "succeeded"
+    assert run["result"] == {"ok": True, "args": [1, "two"]}
+    assert [a["state"] for a in run["attempts"]] == ["succeeded"]
+    assert run["attempts"][0]["fencing_token"] == 1
+    stages = run["timestamps"]
+    assert all(stages[stage] for stage in ("due", "created", "published", "started", "finished")), (
+        stages
+    )
+    order = [
+        dt.datetime.fromisoformat(stages[s].replace("Z", "+00:00"))
+        for s in ("created", "published", "started", "finished")
+    ]
+    assert order == sorted(order)
+    executions = stack.executions()
+    assert [(e["run_id"], e["args"], e["kwargs"]) for e in executions] == [
+        (run["id"], [1, "two"], {"k": 3})
+    ]
+
+
+def test_failing_handler_is_retried_with_backoff_then_failed(stack, make_job):
+    stack.scheduler()
+    stack.relay()
+    stack.worker()
+    job = make_job(
+        task="tests.fail",
+        schedule={"kind": "once", "run_at": _run_at(0.5)},
+        retry={"max_attempts": 3, "initial_delay_seconds": 1, "backoff_factor": 2, "jitter": False},
+    )
+    run = wait_for(
+        lambda: Run.objects.filter(job=job, state=RunState.FAILED).first(),
+        timeout=60,
+        message="the run to fail",
+    )
+    assert run.failure_reason == "exhausted"
+    attempts = list(run.attempts.order_by("number"))
+    assert [(a.number, a.state, a.fencing_token) for a in attempts] == [
+        (1, "failed", 1),
+        (2, "failed", 2),
+        (3, "failed", 3),
+    ]
+    assert all("RuntimeError: boom" in a.error for a in attempts)
+    # Backoff: 1 s after the first failure, 2 s after the second (no jitter).
+    gaps = [
+        (b.started_at - a.finished_at).total_seconds()
+        for a, b in zip(attempts, attempts[1:], strict=False)
+    ]
+    assert gaps[0] >= 1.0 and gaps[1] >= 2.0, gaps
+    assert len(stack.executions()) == 3
