@@ -126,19 +126,21 @@ class RunContext:
                 .values_list("state", "fencing_token")
                 .first()
             )
-            if locked != (RunState.RUNNING, self.fencing_token):
-                counter_increment("scheduler_stale_completions_total", labels='kind="effect"')
-                raise StaleAttempt(f"attempt {self.attempt} of run {self.run_id} is stale")
-            done = Effect.objects.filter(run_id=self.run_id, name=name).exists()
-            record = EffectRecord(name=name, done=done)
-            yield record
-            if not done:
-                Effect.objects.create(
-                    run_id=self.run_id,
-                    name=name,
-                    attempt_number=self.attempt,
-                    fencing_token=self.fencing_token,
-                )
+            stale = locked != (RunState.RUNNING, self.fencing_token)
+            if not stale:
+                done = Effect.objects.filter(run_id=self.run_id, name=name).exists()
+                yield EffectRecord(name=name, done=done)
+                if not done:
+                    Effect.objects.create(
+                        run_id=self.run_id,
+                        name=name,
+                        attempt_number=self.attempt,
+                        fencing_token=self.fencing_token,
+                    )
+        if stale:
+            # Counted outside the refused transaction, so that the count survives.
+            counter_increment("scheduler_stale_completions_total", labels='kind="effect"')
+            raise StaleAttempt(f"attempt {self.attempt} of run {self.run_id} is stale")
 
 
 def _jsonable(value):

@@ -1,0 +1,125 @@
+"""The worker runtime in process: claim, duplicate refusal, fencing, the effect ledger."""
+
+import datetime as dt
+
+import pytest
+
+from dispatch.models import Counter, Effect
+from dispatch.runtime import StaleAttempt, run_execute_delivery
+from dispatch.scheduler import SchedulerConfig, scheduler_run_once
+from jobs.models import AuditEvent, Run, RunState
+
+NOW = dt.datetime(2030, 1, 1, 12, 0, tzinfo=dt.UTC)
+
+
+@pytest.fixture
+def queued_run(make_job):
+    def make(**overrides):
+        job = make_job(
+            now=NOW - dt.timedelta(minutes=1),
+            schedule={"kind": "once", "run_at": NOW.isoformat()},
+            **overrides,
+        )
+        scheduler_run_once(now=NOW, config=SchedulerConfig())
+        return Run.objects.get(job=job)
+
+    return make
+
+
+def _counter(name: str) -> int:
+    return sum(Counter.objects.filter(name=name).values_list("value", flat=True))
+
+
+def test_a_second_delivery_of_a_claimed_run_is_refused_and_counted(queued_run):
+    run = queued_run()
+    calls = []
+    first = run_execute_delivery(
+        run_id=str(run.id),
+        handler=lambda ctx: calls.append(ctx.attempt),
+        worker="w1",
+        message_id="m",
+    )
+    second = run_execute_delivery(
+        run_id=str(run.id),
+        handler=lambda ctx: calls.append(ctx.attempt),
+        worker="w2",
+        message_id="m",
+    )
+    assert first["outcome"] == "succeeded" and second["outcome"] == "refused"
+    assert calls == [1]
+    run.refresh_from_db()
+    assert run.state == RunState.SUCCEEDED and run.duplicate_deliveries == 1
+    assert _counter("scheduler_duplicate_deliveries_total") == 1
+    assert AuditEvent.objects.filter(run=run, action="run.duplicate_delivery_refused").count() == 1
+
+
+def test_handler_context_carries_the_run_identity(queued_run):
+    run = queued_run(args=[1], kwargs={"b": 2})
+    seen = {}
+
+    def handler(ctx, a, b):
+        seen.update(
+            run_id=ctx.run_id,
+            key=ctx.idempotency_key,
+            attempt=ctx.attempt,
+            token=ctx.fencing_token,
+            scheduled_for=ctx.scheduled_for,
+            a=a,
+            b=b,
+            alive=ctx.heartbeat(),
+            cancel=ctx.cancel_requested,
+        )
+
+    run_execute_delivery(run_id=str(run.id), handler=handler, worker="w", message_id="m")
+    assert seen == {
+        "run_id": str(run.id),
+        "key": run.idempotency_key,
+        "attempt": 1,
+        "token": 1,
+        "scheduled_for": NOW,
+        "a": 1,
+        "b": 2,
+        "alive": True,
+        "cancel": False,
+    }
+
+
+def test_an_effect_is_committed_once_and_seen_by_the_next_attempt(queued_run):
+    run = queued_run(retry={"max_attempts": 2, "initial_delay_seconds": 0, "jitter": False})
+    seen = []
+
+    def handler(ctx):
+        with ctx.effect("charge") as effect:
+            seen.append(effect.done)
+        if ctx.attempt == 1:
+            raise RuntimeError("crash after the effect")
+
+    run_execute_delivery(run_id=str(run.id), handler=handler, worker="w", message_id="m1")
+    assert Run.objects.get(id=run.id).state == RunState.RETRY_WAIT
+    scheduler_run_once(now=NOW + dt.timedelta(days=1), config=SchedulerConfig())
+    run_execute_delivery(run_id=str(run.id), handler=handler, worker="w", message_id="m2")
+    assert seen == [False, True]
+    assert Effect.objects.filter(run=run).count() == 1
+    assert Run.objects.get(id=run.id).state == RunState.SUCCEEDED
+
+
+def test_a_superseded_attempt_can_neither_record_an_effect_nor_complete(queued_run):
+    run = queued_run()
+    outcomes = []
+
+    def handler(ctx):
+        # Another attempt took the run over (as after a lease expiry): the token moved on.
+        Run.objects.filter(id=ctx.run_id).update(fencing_token=ctx.fencing_token + 1)
+        try:
+            with ctx.effect("charge"):
+                outcomes.append("effect applied")
+        except StaleAttempt:
+            outcomes.append("effect refused")
+        outcomes.append(("heartbeat", ctx.heartbeat(), ctx.cancel_requested))
+
+    result = run_execute_delivery(run_id=str(run.id), handler=handler, worker="w", message_id="m")
+    assert outcomes == ["effect refused", ("heartbeat", False, True)]
+    assert result["outcome"] == "stale"
+    run.refresh_from_db()
+    assert run.state == RunState.RUNNING and not Effect.objects.exists()
+    assert _counter("scheduler_stale_completions_total") == 3  # effect, heartbeat, completion

@@ -1,0 +1,291 @@
+"""POST /api/v1/jobs/ refuses bad input field by field and leaves nothing behind; reads are
+scoped to the owner. Everything goes through the real API client and database."""
+
+from __future__ import annotations
+
+import copy
+import datetime as dt
+
+import pytest
+from rest_framework.test import APIClient
+
+from dispatch.scheduler import SchedulerConfig, scheduler_run_once
+from jobs.models import AuditEvent, Job, JobVersion, Run
+
+JOBS_URL = "/api/v1/jobs/"
+RUN_AT = "2030-01-01T00:00:00Z"
+OVERSIZE = "x" * (64 * 1024)  # 64 KiB of text is more than 64 KiB as JSON (the quotes)
+
+
+def valid_body(**overrides) -> dict:
+    return {
+        "name": "nightly report",
+        "task": "tests.record",
+        "schedule": {"kind": "once", "run_at": RUN_AT},
+        **overrides,
+    }
+
+
+def without(field: str) -> dict:
+    body = valid_body()
+    del body[field]
+    return body
+
+
+def nested(path: tuple[str, ...], value) -> dict:
+    """A valid body with `value` set at `path` (creating intermediate objects)."""
+    body = copy.deepcopy(valid_body())
+    target = body
+    for key in path[:-1]:
+        target = target.setdefault(key, {})
+    target[path[-1]] = value
+    return body
+
+
+def cron_body(**schedule) -> dict:
+    return valid_body(schedule={"kind": "cron", "expression": "0 9 * * *", **schedule})
+
+
+def error_at(payload: dict, path: tuple[str, ...]):
+    """The error messages under `path` of a 400 body; fails naming the path if absent."""
+    found = payload
+    for key in path:
+        assert isinstance(found, dict) and key in found, f"no error at {path}: {payload}"
+        found = found[key]
+    assert found, f"empty error at {path}: {payload}"
+    return found
+
+
+def assert_nothing_created() -> None:
+    assert (Job.objects.count(), JobVersion.objects.count(), AuditEvent.objects.count()) == (
+        0,
+        0,
+        0,
+    )
+
+
+INVALID_BODIES = {
+    # schedule
+    "bad cron": (cron_body(expression="61 * * * *"), ("schedule", "expression")),
+    "cron with seconds field": (cron_body(expression="0 0 9 * * *"), ("schedule", "expression")),
+    "cron gibberish": (cron_body(expression="every day"), ("schedule", "expression")),
+    "unknown time zone": (cron_body(timezone="Mars/Olympus_Mons"), ("schedule", "timezone")),
+    "cron without expression": (
+        valid_body(schedule={"kind": "cron", "timezone": "UTC"}),
+        ("schedule", "expression"),
+    ),
+    "unknown kind": (valid_body(schedule={"kind": "sometimes"}), ("schedule", "kind")),
+    "unparsable run_at": (valid_body(schedule={"kind": "once", "run_at": "tomorrow"}), ("schedule", "run_at")),
+    "run_at without offset": (
+        valid_body(schedule={"kind": "once", "run_at": "2030-01-01T09:00:00"}),
+        ("schedule", "run_at"),
+    ),
+    "run_at as a number": (
+        valid_body(schedule={"kind": "once", "run_at": 1893456000}),
+        ("schedule", "run_at"),
+    ),
+    "every_seconds 0": (
+        valid_body(schedule={"kind": "interval", "every_seconds": 0}),
+        ("schedule", "every_seconds"),
+    ),
+    "every_seconds negative": (
+        valid_body(schedule={"kind": "interval", "every_seconds": -60}),
+        ("schedule", "every_seconds"),
+    ),
+    "every_seconds as bool": (
+        valid_body(schedule={"kind": "interval", "every_seconds": True}),
+        ("schedule", "every_seconds"),
+    ),
+    "every_seconds on a once schedule": (
+        valid_body(schedule={"kind": "once", "run_at": RUN_AT, "every_seconds": 60}),
+        ("schedule", "every_seconds"),
+    ),
+    "run_at on a cron schedule": (cron_body(run_at=RUN_AT), ("schedule", "run_at")),
+    "timezone on an interval schedule": (
+        valid_body(schedule={"kind": "interval", "every_seconds": 60, "timezone": "UTC"}),
+        ("schedule", "timezone"),
+    ),
+    "unknown schedule field": (
+        valid_body(schedule={"kind": "once", "run_at": RUN_AT, "zone": "UTC"}),
+        ("schedule", "zone"),
+    ),
+    # task
+    "unknown task": (valid_body(task="os.system"), ("task",)),
+    # numbers out of range
+    "max_attempts 0": (nested(("retry", "max_attempts"), 0), ("retry", "max_attempts")),
+    "max_attempts -1": (nested(("retry", "max_attempts"), -1), ("retry", "max_attempts")),
+    "timeout_seconds -5": (valid_body(timeout_seconds=-5), ("timeout_seconds",)),
+    "jitter_seconds -1": (valid_body(jitter_seconds=-1), ("jitter_seconds",)),
+    "priority 10": (valid_body(priority=10), ("priority",)),
+    "initial_delay_seconds negative": (
+        nested(("retry", "initial_delay_seconds"), -1),
+        ("retry", "initial_delay_seconds"),
+    ),
+    "backoff_factor below 1": (nested(("retry", "backoff_factor"), 0.5), ("retry", "backoff_factor")),
+    "grace_seconds negative": (nested(("misfire", "grace_seconds"), -1), ("misfire", "grace_seconds")),
+    # wrongly typed numbers
+    "timeout_seconds as string": (valid_body(timeout_seconds="5"), ("timeout_seconds",)),
+    "priority as bool": (valid_body(priority=True), ("priority",)),
+    "jitter_seconds as fraction": (valid_body(jitter_seconds=1.5), ("jitter_seconds",)),
+    "max_attempts as string": (nested(("retry", "max_attempts"), "3"), ("retry", "max_attempts")),
+    "initial_delay_seconds as string": (
+        nested(("retry", "initial_delay_seconds"), "10"),
+        ("retry", "initial_delay_seconds"),
+    ),
+    "retry jitter as string": (nested(("retry", "jitter"), "yes"), ("retry", "jitter")),
+    # payload size
+    "oversize args": (valid_body(args=[OVERSIZE]), ("args",)),
+    "oversize kwargs": (valid_body(kwargs={"blob": OVERSIZE}), ("kwargs",)),
+    "args not a list": (valid_body(args={"a": 1}), ("args",)),
+    # fields
+    "unknown top-level field": (valid_body(colour="red"), ("colour",)),
+    "unknown retry field": (nested(("retry", "max_tries"), 3), ("retry", "max_tries")),
+    "missing name": (without("name"), ("name",)),
+    "missing task": (without("task"), ("task",)),
+    "missing schedule": (without("schedule"), ("schedule",)),
+    "blank name": (valid_body(name=""), ("name",)),
+    "unknown dst policy": (nested(("dst", "gap"), "ignore"), ("dst", "gap")),
+    "unknown overlap policy": (valid_body(overlap="sometimes"), ("overlap",)),
+    # start/end
+    "end_at before start_at": (
+        valid_body(start_at="2030-01-02T00:00:00Z", end_at="2030-01-01T00:00:00Z"),
+        ("end_at",),
+    ),
+    "end_at equal to start_at in another offset": (
+        valid_body(start_at="2030-01-01T01:00:00+01:00", end_at="2030-01-01T00:00:00Z"),
+        ("end_at",),
+    ),
+    # queue
+    "queue with spaces": (valid_body(queue="bad queue!"), ("queue",)),
+    "empty queue": (valid_body(queue=""), ("queue",)),
+}
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize(("body", "path"), INVALID_BODIES.values(), ids=INVALID_BODIES.keys())
+def test_invalid_field_answers_400_naming_it_and_creates_nothing(api, body, path):
+    response = api.post(JOBS_URL, body, format="json")
+    assert response.status_code == 400, response.content
+    error_at(response.json(), path)
+    assert_nothing_created()
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize(
+    "field", ["state", "owner", "version", "next_run_at", "id", "created_at", "updated_at"]
+)
+def test_server_managed_fields_are_refused_as_unknown(api, field):
+    """The body cannot set what the server manages; the value is not silently dropped."""
+    response = api.post(JOBS_URL, valid_body(**{field: "x"}), format="json")
+    assert response.status_code == 400
+    assert error_at(response.json(), (field,)) == ["Unknown field."]
+    assert_nothing_created()
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize(
+    "run_at", ["0001-01-01T00:00:00+01:00", "9999-12-31T23:59:59-01:00"], ids=["min", "max"]
+)
+def test_run_at_outside_the_representable_range_is_a_400(api, run_at):
+    """An instant that cannot be converted to UTC is bad input, not a server error."""
+    api.raise_request_exception = False
+    body = valid_body(schedule={"kind": "once", "run_at": run_at})
+    response = api.post(JOBS_URL, body, format="json")
+    assert response.status_code == 400
+    error_at(response.json(), ("schedule", "run_at"))
+    assert_nothing_created()
+
+
+@pytest.mark.django_db
+def test_cron_that_never_fires_is_a_400(api):
+    """`0 0 31 2 *` (February 31st) is syntactically valid but names no instant."""
+    api.raise_request_exception = False
+    response = api.post(JOBS_URL, cron_body(expression="0 0 31 2 *"), format="json")
+    assert response.status_code == 400
+    error_at(response.json(), ("schedule", "expression"))
+    assert_nothing_created()
+
+
+@pytest.mark.django_db
+def test_valid_body_answers_201_with_every_default_filled(api, user):
+    response = api.post(JOBS_URL, valid_body(), format="json")
+    assert response.status_code == 201, response.content
+    job = response.json()
+    assert job["retry"] == {
+        "max_attempts": 3,
+        "initial_delay_seconds": 10,
+        "backoff_factor": 2.0,
+        "max_delay_seconds": 3600,
+        "jitter": True,
+    }
+    assert job["misfire"] == {"policy": "run_all", "grace_seconds": None}
+    assert job["dst"] == {"gap": "shift", "fold": "auto"}
+    assert {
+        key: job[key]
+        for key in (
+            "args", "kwargs", "timeout_seconds", "heartbeat_timeout_seconds", "overlap",
+            "jitter_seconds", "delivery", "priority", "queue", "labels", "state", "version",
+            "owner",
+        )
+    } == {
+        "args": [], "kwargs": {}, "timeout_seconds": 3600, "heartbeat_timeout_seconds": 60,
+        "overlap": "allow", "jitter_seconds": 0, "delivery": "at_least_once", "priority": 0,
+        "queue": "jobs", "labels": {}, "state": "active", "version": 1,
+        "owner": user.get_username(),
+    }  # fmt: skip
+    assert dt.datetime.fromisoformat(job["next_run_at"]) == dt.datetime(2030, 1, 1, tzinfo=dt.UTC)
+    assert (Job.objects.count(), JobVersion.objects.count(), AuditEvent.objects.count()) == (1, 1, 1)
+    assert Job.objects.get().owner == user
+
+
+@pytest.mark.django_db
+def test_cron_body_is_stored_normalized_with_its_zone(api):
+    body = valid_body(schedule={"kind": "cron", "expression": "@daily", "timezone": "Asia/Kolkata"})
+    response = api.post(JOBS_URL, body, format="json")
+    assert response.status_code == 201, response.content
+    assert response.json()["schedule"] == {
+        "kind": "cron",
+        "expression": "0 0 * * *",
+        "timezone": "Asia/Kolkata",
+    }
+
+
+@pytest.mark.django_db
+def test_unauthenticated_request_answers_401():
+    response = APIClient().post(JOBS_URL, valid_body(), format="json")
+    assert response.status_code == 401
+    assert APIClient().get(JOBS_URL).status_code == 401
+    assert_nothing_created()
+
+
+@pytest.mark.django_db
+def test_another_users_job_answers_404(api, make_job, other_user):
+    theirs = make_job(owner=other_user)
+    assert api.get(f"{JOBS_URL}{theirs.id}/").status_code == 404
+    assert api.get(f"{JOBS_URL}{theirs.id}/runs/").status_code == 404
+    assert api.get(JOBS_URL).json()["results"] == []
+
+
+@pytest.mark.django_db
+def test_own_job_is_visible(api, make_job):
+    """The counterpart of the 404 above: the same request for one's own job answers 200."""
+    mine = make_job()
+    response = api.get(f"{JOBS_URL}{mine.id}/")
+    assert response.status_code == 200
+    assert response.json()["id"] == str(mine.id)
+
+
+@pytest.mark.django_db
+def test_another_users_runs_are_not_listed(api, make_job, other_user):
+    make_job(owner=other_user, now=dt.datetime(2029, 12, 31, tzinfo=dt.UTC))
+    scheduler_run_once(now=dt.datetime(2030, 1, 1, 0, 0, 1, tzinfo=dt.UTC), config=SchedulerConfig())
+    their_run = Run.objects.get()
+    assert api.get("/api/v1/runs/").json()["results"] == []
+    assert api.get(f"/api/v1/runs/{their_run.id}/").status_code == 404
+
+
+@pytest.mark.django_db
+def test_schema_is_served_to_an_authenticated_user(api):
+    response = api.get("/api/schema/")
+    assert response.status_code == 200
+    assert b"/api/v1/jobs/" in response.content
