@@ -6,11 +6,13 @@ from django.http import HttpResponse, JsonResponse
 from kombu import Connection
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.core import CollectorRegistry
+from drf_spectacular.utils import extend_schema
 from rest_framework.decorators import api_view
 
 from .metrics import DatabaseCollector
 
 
+@extend_schema(exclude=True)  # operations, not the product API
 @api_view(["GET"])
 def healthz(request):
     """The process is up (no dependency checked): for liveness probes (authenticated, as
@@ -18,6 +20,7 @@ def healthz(request):
     return JsonResponse({"status": "ok"})
 
 
+@extend_schema(exclude=True)  # operations, not the product API
 @api_view(["GET"])
 def readyz(request):
     """The database and the broker answer: for readiness probes (authenticated)."""
@@ -40,6 +43,7 @@ def readyz(request):
     return JsonResponse(checks, status=200 if ready else 503)
 
 
+@extend_schema(exclude=True)  # operations, not the product API
 @api_view(["GET"])
 def metrics(request):
     registry = CollectorRegistry(auto_describe=False)

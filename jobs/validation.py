@@ -7,6 +7,8 @@ import json
 import re
 
 from django.conf import settings
+from drf_spectacular.types import OpenApiTypes
+from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
 from dispatch.registry import registered_task_names
@@ -53,6 +55,7 @@ class StrictBooleanField(serializers.BooleanField):
         return data
 
 
+@extend_schema_field(OpenApiTypes.DATETIME)
 class AwareDateTimeField(serializers.Field):
     """An ISO 8601 instant with an explicit offset (Z or +hh:mm); stored as UTC text."""
 

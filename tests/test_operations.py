@@ -1,0 +1,60 @@
+"""The OpenAPI schema, the admin pages and the operations endpoints."""
+
+import datetime as dt
+import io
+
+from django.contrib.auth import get_user_model
+from django.core.management import call_command
+
+from dispatch.scheduler import SchedulerConfig, scheduler_run_once
+from jobs.models import Run
+
+NOW = dt.datetime(2030, 1, 1, tzinfo=dt.UTC)
+
+
+def test_openapi_schema_generates_and_validates_without_warnings(db):
+    out = io.StringIO()
+    call_command("spectacular", "--validate", "--fail-on-warn", stdout=out)
+    schema = out.getvalue()
+    for path in (
+        "/api/v1/jobs/",
+        "/api/v1/jobs/{job_id}/",
+        "/api/v1/runs/",
+        "/api/v1/runs/{run_id}/",
+    ):
+        assert f"{path}:" in schema
+
+
+def test_admin_browses_jobs_runs_and_attempts(client, make_job):
+    job = make_job(
+        now=NOW - dt.timedelta(minutes=1), schedule={"kind": "once", "run_at": NOW.isoformat()}
+    )
+    scheduler_run_once(now=NOW, config=SchedulerConfig())
+    run = Run.objects.get(job=job)
+    staff = get_user_model().objects.create_superuser("op", "op@example.com", "pw")
+    client.force_login(staff)
+    for url in (
+        "/admin/jobs/job/",
+        f"/admin/jobs/job/{job.id}/change/",
+        "/admin/jobs/run/",
+        f"/admin/jobs/run/{run.id}/change/",
+        "/admin/jobs/attempt/",
+        "/admin/dispatch/outboxmessage/",
+    ):
+        assert client.get(url).status_code == 200, url
+
+
+def test_operations_endpoints_require_authentication(client, api):
+    for url in ("/metrics", "/healthz", "/readyz"):
+        assert client.get(url).status_code == 401, url
+    metrics = api.get("/metrics")
+    assert metrics.status_code == 200
+    text = metrics.content.decode()
+    for name in (
+        "scheduler_outbox_backlog",
+        "scheduler_duplicate_deliveries_total",
+        "scheduler_discovery_lag_seconds",
+        "scheduler_oldest_overdue_seconds",
+    ):
+        assert name in text
+    assert api.get("/readyz").json() == {"database": "ok", "broker": "ok"}
