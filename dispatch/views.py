@@ -3,10 +3,10 @@
 from django.conf import settings
 from django.db import connection
 from django.http import HttpResponse, JsonResponse
+from drf_spectacular.utils import extend_schema
 from kombu import Connection
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.core import CollectorRegistry
-from drf_spectacular.utils import extend_schema
 from rest_framework.decorators import api_view
 
 from .metrics import DatabaseCollector

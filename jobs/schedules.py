@@ -13,7 +13,7 @@ import zoneinfo
 from collections.abc import Iterator
 from functools import lru_cache
 
-from croniter import croniter
+from croniter import CroniterBadDateError, croniter
 
 UTC = dt.UTC
 CRON_ALIASES = {
@@ -45,13 +45,19 @@ class Occurrence:
     dst: str = ""
 
 
+@lru_cache(maxsize=4096)
 def normalize_cron(expression: str) -> str:
+    """The expression in its 5-field form; ScheduleError if it is invalid or never fires."""
     expression = " ".join(expression.split())
     expression = CRON_ALIASES.get(expression.lower(), expression)
     if len(expression.split(" ")) != 5:
         raise ScheduleError("must have 5 fields: minute hour day-of-month month day-of-week")
     if not croniter.is_valid(expression):
         raise ScheduleError(f"'{expression}' is not a valid cron expression")
+    try:
+        croniter(expression, dt.datetime(2000, 1, 1)).get_next(dt.datetime)
+    except CroniterBadDateError as exc:  # e.g. "0 0 31 2 *": February has no 31st
+        raise ScheduleError(f"'{expression}' never fires") from exc
     return expression
 
 

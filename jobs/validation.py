@@ -72,7 +72,10 @@ class AwareDateTimeField(serializers.Field):
             raise serializers.ValidationError(
                 "Must include a UTC offset (e.g. Z or +01:00): a local time is ambiguous."
             )
-        return value.astimezone(dt.UTC).isoformat()
+        try:
+            return value.astimezone(dt.UTC).isoformat()
+        except OverflowError as exc:
+            raise serializers.ValidationError(f"'{data}' is out of the supported range.") from exc
 
     def to_representation(self, value):
         return value

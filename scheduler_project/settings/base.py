@@ -130,7 +130,7 @@ LOGGING = {
 }
 
 SCHEDULER_TASK_MODULES = env.SCHEDULER_TASK_MODULES
-# Size bound of a job's args + kwargs, serialized as JSON.
+# Size bound of a job's args, and of its kwargs, each serialized as JSON.
 SCHEDULER_MAX_PAYLOAD_BYTES = 64 * 1024
 
 init_sentry()

@@ -56,12 +56,13 @@ def error_at(payload: dict, path: tuple[str, ...]):
     return found
 
 
+def created_counts() -> tuple[int, int, int]:
+    """How many jobs, job versions and audit events exist."""
+    return Job.objects.count(), JobVersion.objects.count(), AuditEvent.objects.count()
+
+
 def assert_nothing_created() -> None:
-    assert (Job.objects.count(), JobVersion.objects.count(), AuditEvent.objects.count()) == (
-        0,
-        0,
-        0,
-    )
+    assert created_counts() == (0, 0, 0)
 
 
 INVALID_BODIES = {
@@ -75,7 +76,10 @@ INVALID_BODIES = {
         ("schedule", "expression"),
     ),
     "unknown kind": (valid_body(schedule={"kind": "sometimes"}), ("schedule", "kind")),
-    "unparsable run_at": (valid_body(schedule={"kind": "once", "run_at": "tomorrow"}), ("schedule", "run_at")),
+    "unparsable run_at": (
+        valid_body(schedule={"kind": "once", "run_at": "tomorrow"}),
+        ("schedule", "run_at"),
+    ),
     "run_at without offset": (
         valid_body(schedule={"kind": "once", "run_at": "2030-01-01T09:00:00"}),
         ("schedule", "run_at"),
@@ -121,8 +125,14 @@ INVALID_BODIES = {
         nested(("retry", "initial_delay_seconds"), -1),
         ("retry", "initial_delay_seconds"),
     ),
-    "backoff_factor below 1": (nested(("retry", "backoff_factor"), 0.5), ("retry", "backoff_factor")),
-    "grace_seconds negative": (nested(("misfire", "grace_seconds"), -1), ("misfire", "grace_seconds")),
+    "backoff_factor below 1": (
+        nested(("retry", "backoff_factor"), 0.5),
+        ("retry", "backoff_factor"),
+    ),
+    "grace_seconds negative": (
+        nested(("misfire", "grace_seconds"), -1),
+        ("misfire", "grace_seconds"),
+    ),
     # wrongly typed numbers
     "timeout_seconds as string": (valid_body(timeout_seconds="5"), ("timeout_seconds",)),
     "priority as bool": (valid_body(priority=True), ("priority",)),
@@ -234,7 +244,7 @@ def test_valid_body_answers_201_with_every_default_filled(api, user):
         "owner": user.get_username(),
     }  # fmt: skip
     assert dt.datetime.fromisoformat(job["next_run_at"]) == dt.datetime(2030, 1, 1, tzinfo=dt.UTC)
-    assert (Job.objects.count(), JobVersion.objects.count(), AuditEvent.objects.count()) == (1, 1, 1)
+    assert created_counts() == (1, 1, 1)
     assert Job.objects.get().owner == user
 
 
@@ -278,7 +288,9 @@ def test_own_job_is_visible(api, make_job):
 @pytest.mark.django_db
 def test_another_users_runs_are_not_listed(api, make_job, other_user):
     make_job(owner=other_user, now=dt.datetime(2029, 12, 31, tzinfo=dt.UTC))
-    scheduler_run_once(now=dt.datetime(2030, 1, 1, 0, 0, 1, tzinfo=dt.UTC), config=SchedulerConfig())
+    scheduler_run_once(
+        now=dt.datetime(2030, 1, 1, 0, 0, 1, tzinfo=dt.UTC), config=SchedulerConfig()
+    )
     their_run = Run.objects.get()
     assert api.get("/api/v1/runs/").json()["results"] == []
     assert api.get(f"/api/v1/runs/{their_run.id}/").status_code == 404
