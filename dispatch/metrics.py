@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import datetime as dt
 
-from django.db.models import DurationField, ExpressionWrapper, F, Min
+from django.db.models import Count, DurationField, ExpressionWrapper, F, Min
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from jobs.models import Job, JobState, Run, RunState
+from jobs.models import Attempt, AttemptState, Job, JobState, Run, RunState
 
 from .clock import db_now
 from .models import Counter, OutboxMessage, OutboxState
@@ -19,7 +19,6 @@ from .models import Counter, OutboxMessage, OutboxState
 LAG_WINDOW = dt.timedelta(minutes=10)
 LAG_SAMPLE = 10_000
 COUNTERS = {
-    "scheduler_attempts_total": "Attempts finished, by outcome.",
     "scheduler_duplicate_deliveries_total": (
         "Deliveries refused: their run was already claimed or finished."
     ),
@@ -27,7 +26,6 @@ COUNTERS = {
         "Completions, heartbeats or effects refused for a stale fencing token."
     ),
     "scheduler_lease_expired_total": "Attempts whose lease expired.",
-    "scheduler_dead_letter_total": "Runs that ended failed.",
 }
 STAGES = {
     "scheduler_discovery_lag_seconds": ("due_at", "created_at", "Due -> run created."),
@@ -61,6 +59,24 @@ class DatabaseCollector:
             if not rows:
                 family.add_metric([""], 0)
             yield family
+        # Derived from the rows themselves (no extra write per attempt); pruning old rows
+        # lowers them, which Prometheus reads as a counter reset.
+        attempts = CounterMetricFamily(
+            "scheduler_attempts", "Attempts finished, by outcome.", labels=["outcome"]
+        )
+        finished = (
+            Attempt.objects.exclude(state=AttemptState.RUNNING)
+            .values_list("state")
+            .annotate(count=Count("id"))
+        )
+        for state, count in finished:
+            attempts.add_metric([state], count)
+        yield attempts
+        yield CounterMetricFamily(
+            "scheduler_dead_letter",
+            "Runs that ended failed (the dead-letter view).",
+            value=Run.objects.filter(state=RunState.FAILED).count(),
+        )
         backlog = OutboxMessage.objects.filter(state=OutboxState.PENDING).count()
         yield GaugeMetricFamily(
             "scheduler_outbox_backlog", "Outbox rows not yet published.", value=backlog

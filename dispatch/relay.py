@@ -16,11 +16,13 @@ import time
 
 from celery import current_app
 from django.db import transaction
+from django.db.models import F
 from kombu import Connection, Producer
 
 from jobs.models import Run
 
 from .failpoints import failpoint
+from .loop import BROKER_ERRORS
 from .models import OutboxMessage, OutboxState
 
 log = logging.getLogger("dispatch.relay")
@@ -143,17 +145,23 @@ def relay_run_once(
         )
         if not messages:
             return RelayResult(published=0, batch_full=False)
+        ids = [message.id for message in messages]
         try:
             publisher.publish_batch_and_confirm(messages, timeout=config.confirm_timeout)
-        except Exception:
+        except BROKER_ERRORS as exc:
             publisher.reset()
-            raise
-        failpoint("relay.after_confirm")
-        ids = [message.id for message in messages]
-        OutboxMessage.objects.filter(id__in=ids, state=OutboxState.PENDING).update(
-            state=OutboxState.PUBLISHED, published_at=now
-        )
-        Run.objects.filter(
-            id__in=[message.run_id for message in messages], published_at__isnull=True
-        ).update(published_at=now)
-    return RelayResult(published=len(messages), batch_full=len(messages) >= config.batch_size)
+            failure = exc
+        else:
+            failpoint("relay.after_confirm")
+            OutboxMessage.objects.filter(id__in=ids, state=OutboxState.PENDING).update(
+                state=OutboxState.PUBLISHED, published_at=now
+            )
+            Run.objects.filter(
+                id__in=[message.run_id for message in messages], published_at__isnull=True
+            ).update(published_at=now)
+            return RelayResult(published=len(ids), batch_full=len(ids) >= config.batch_size)
+    # The rows stay pending for the next try; their tries and last error make it visible.
+    OutboxMessage.objects.filter(id__in=ids, state=OutboxState.PENDING).update(
+        publish_tries=F("publish_tries") + 1, last_error=repr(failure)[:2000]
+    )
+    raise failure

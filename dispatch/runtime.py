@@ -238,5 +238,4 @@ def run_execute_delivery(*, run_id: str, handler: Callable, worker: str, message
         counter_increment("scheduler_stale_completions_total", labels='kind="completion"')
         log.warning("stale completion of run %s attempt %s refused", run_id, attempt.number)
         outcome = "stale"
-    counter_increment("scheduler_attempts_total", labels=f'outcome="{outcome}"')
     return {"run_id": run_id, "attempt": attempt.number, "outcome": outcome}

@@ -14,7 +14,8 @@ import datetime as dt
 from django.db import transaction
 from django.db.models import Min
 
-from jobs.models import Job, JobState, JobVersion, Run, RunKind, RunState
+from jobs.models import AuditEvent, Job, JobState, JobVersion, Run, RunKind, RunState
+from jobs.schedules import ScheduleError
 from jobs.services import job_next_fire
 from jobs.transitions import runs_requeue
 
@@ -70,7 +71,7 @@ def _materialize_due_jobs(*, now: dt.datetime, limit: int) -> int:
             scheduled_for__in=[job.next_run_at for job in jobs],
         ).values_list("job_id", "scheduled_for")
     )
-    runs = []
+    runs, audit = [], []
     for job in jobs:
         occurrence = job.next_run_at
         if (job.id, occurrence) not in existing:
@@ -86,10 +87,26 @@ def _materialize_due_jobs(*, now: dt.datetime, limit: int) -> int:
                     idempotency_key=occurrence_idempotency_key(job.id, occurrence),
                 )
             )
-        job.next_run_at = job_next_fire(spec=job.spec, created_at=job.created_at, after=occurrence)
+        try:
+            job.next_run_at = job_next_fire(
+                spec=job.spec, created_at=job.created_at, after=occurrence
+            )
+        except ScheduleError as exc:
+            # Validated at creation, so only a changed environment (a zone gone from tzdata)
+            # gets here: stop this job visibly rather than fail every batch it is in.
+            job.next_run_at = None
+            audit.append(
+                AuditEvent(
+                    actor_label="system:scheduler",
+                    action="job.schedule_error",
+                    job=job,
+                    data={"error": str(exc), "after": occurrence.isoformat()},
+                )
+            )
     Run.objects.bulk_create(runs)
     outbox_enqueue_runs(runs=runs, now=now)
     Job.objects.bulk_update(jobs, ["next_run_at"])
+    AuditEvent.objects.bulk_create(audit)
     return len(runs)
 
 

@@ -9,9 +9,7 @@ from __future__ import annotations
 import datetime as dt
 from collections.abc import Iterable
 
-from django.db import transaction
-from django.db.models import F
-from django.db.models.functions import Coalesce
+from django.db import connection, transaction
 
 from .models import Attempt, AttemptState, FailureReason, Run, RunState
 
@@ -52,27 +50,30 @@ def run_claim(*, run_id, worker: str, now: dt.datetime, lease_seconds: float) ->
     None when the run is not queued: a duplicate delivery of a run already claimed or
     finished, which the caller refuses and counts.
     """
+    # One compare-and-set that also issues the token: UPDATE ... RETURNING (PostgreSQL and
+    # SQLite >= 3.35 both have it; the ORM's update() does not return rows).
+    claim = f"""
+        UPDATE {Run._meta.db_table}
+           SET state = %s, fencing_token = fencing_token + 1, attempt_count = attempt_count + 1,
+               started_at = COALESCE(started_at, %s), next_attempt_at = NULL
+         WHERE id = %s AND state IN ({", ".join(["%s"] * len(RUN_TRANSITIONS[RunState.RUNNING]))})
+     RETURNING fencing_token, attempt_count
+    """
     with transaction.atomic():
-        run = (
-            Run.objects.select_for_update()
-            .filter(id=run_id)
-            .only("id", "state", "fencing_token", "attempt_count")
-            .first()
-        )
-        if run is None or run.state != RunState.QUEUED:
+        with connection.cursor() as cursor:
+            cursor.execute(
+                claim,
+                [
+                    RunState.RUNNING,
+                    now,
+                    Run._meta.pk.get_db_prep_value(run_id, connection),
+                    *sorted(RUN_TRANSITIONS[RunState.RUNNING]),
+                ],
+            )
+            row = cursor.fetchone()
+        if row is None:
             return None
-        token, number = run.fencing_token + 1, run.attempt_count + 1
-        won = Run.objects.filter(
-            id=run_id, state__in=RUN_TRANSITIONS[RunState.RUNNING], fencing_token=run.fencing_token
-        ).update(
-            state=RunState.RUNNING,
-            fencing_token=token,
-            attempt_count=number,
-            started_at=Coalesce(F("started_at"), now),
-            next_attempt_at=None,
-        )
-        if not won:
-            return None
+        token, number = row
         return Attempt.objects.create(
             run_id=run_id,
             number=number,
@@ -100,11 +101,10 @@ def attempt_renew_lease(*, attempt: Attempt, now: dt.datetime, lease_seconds: fl
 
 def _finish_attempt(attempt: Attempt, to: str, *, now: dt.datetime, error: str = "") -> bool:
     return bool(
+        # No join on the run: the caller moves the run in the same transaction, conditioned
+        # on the token, and rolls both back if that loses.
         Attempt.objects.filter(
-            id=attempt.id,
-            state=AttemptState.RUNNING,
-            fencing_token=attempt.fencing_token,
-            run__fencing_token=attempt.fencing_token,
+            id=attempt.id, state=AttemptState.RUNNING, fencing_token=attempt.fencing_token
         ).update(state=to, finished_at=now, error=error)
     )
 

@@ -1,0 +1,173 @@
+"""Burst benchmark: N one-time jobs due at the same second, on the real stack.
+
+    .venv/bin/python bench/burst.py --jobs 2000 --schedulers 2 --relays 2 --workers 2
+
+Creates a fresh PostgreSQL database and RabbitMQ vhost (dropped afterwards), starts real
+scheduler, relay and Celery worker processes, and prints the lateness of every stage
+(p50 / p99 / max, seconds): due -> created -> published -> started -> finished.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PG = os.environ.get("BENCH_PG", "postgres://postgres@127.0.0.1:5432")
+RABBIT = os.environ.get("BENCH_RABBIT", "amqp://guest:guest@127.0.0.1:5672")
+
+
+def quantiles(values: list[float]) -> str:
+    values = sorted(values)
+    if not values:
+        return "n/a"
+    p = lambda q: values[min(len(values) - 1, int(q * len(values)))]  # noqa: E731
+    return f"p50 {p(0.5):6.2f}  p99 {p(0.99):6.2f}  max {values[-1]:6.2f}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--jobs", type=int, default=2000)
+    parser.add_argument("--schedulers", type=int, default=2)
+    parser.add_argument("--relays", type=int, default=2)
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--concurrency", type=int, default=2)
+    parser.add_argument("--lead", type=float, default=15.0, help="seconds until the jobs are due")
+    args = parser.parse_args()
+
+    name = f"bench_{os.getpid()}"
+    subprocess.run(["psql", f"{PG}/postgres", "-qc", f"CREATE DATABASE {name}"], check=True)
+    subprocess.run(["rabbitmqctl", "-q", "add_vhost", name], check=True)
+    subprocess.run(
+        ["rabbitmqctl", "-q", "set_permissions", "-p", name, "guest", ".*", ".*", ".*"], check=True
+    )
+    workdir = Path(tempfile.mkdtemp(prefix="bench-"))
+    env = {
+        **os.environ,
+        "DATABASE_URL": f"{PG}/{name}",
+        "CELERY_BROKER_URL": f"{RABBIT}/{name}",
+        "DJANGO_SETTINGS_MODULE": "scheduler_project.settings.base",
+        "SCHEDULER_TASK_MODULES": "tests.sample_tasks",
+        "SCHEDULER_VAR_DIR": str(workdir),
+    }
+    os.environ.update(env)
+    sys.path.insert(0, str(ROOT))
+    import django
+
+    django.setup()
+    from django.contrib.auth import get_user_model
+    from django.core.management import call_command
+    from django.db import connection
+
+    from jobs.models import Run, RunState
+    from jobs.services import job_create
+    from jobs.validation import JobSpecSerializer
+
+    processes = []
+    try:
+        call_command("migrate", verbosity=0)
+        owner = get_user_model().objects.create_user("bench")
+        now = dt.datetime.now(dt.UTC)
+        due = (now + dt.timedelta(seconds=args.lead)).replace(microsecond=0)
+        spec = JobSpecSerializer(
+            data={
+                "name": "bench",
+                "task": "tests.record",
+                "schedule": {"kind": "once", "run_at": due.isoformat()},
+            }
+        )
+        spec.is_valid(raise_exception=True)
+        for index in range(args.jobs):
+            job_create(owner=owner, spec={**spec.validated_data, "name": f"bench {index}"}, now=now)
+        created_in = (dt.datetime.now(dt.UTC) - now).total_seconds()
+        if created_in > args.lead - 5:
+            print(f"warning: creating the jobs took {created_in:.1f}s; raise --lead")
+        manage = [sys.executable, str(ROOT / "manage.py")]
+        log = open(workdir / "processes.log", "ab")  # noqa: SIM115
+        for _ in range(args.schedulers):
+            processes.append(
+                subprocess.Popen(
+                    [*manage, "scheduler", "--poll-interval", "0.5"],
+                    env=env,
+                    stdout=log,
+                    stderr=log,
+                )
+            )
+        for _ in range(args.relays):
+            processes.append(subprocess.Popen([*manage, "relay"], env=env, stdout=log, stderr=log))
+        for index in range(args.workers):
+            processes.append(
+                subprocess.Popen(
+                    [
+                        sys.executable,
+                        "-m",
+                        "celery",
+                        "-A",
+                        "scheduler_project",
+                        "worker",
+                        "-Q",
+                        "jobs",
+                        f"--concurrency={args.concurrency}",
+                        "--loglevel=WARNING",
+                        "-n",
+                        f"w{index}@%h",
+                        "--without-gossip",
+                        "--without-mingle",
+                        "--without-heartbeat",
+                    ],
+                    env=env,
+                    stdout=log,
+                    stderr=log,
+                    cwd=ROOT,
+                )
+            )
+        deadline = time.monotonic() + args.lead + 600
+        while time.monotonic() < deadline:
+            done = Run.objects.filter(state=RunState.SUCCEEDED).count()
+            if done == args.jobs:
+                break
+            time.sleep(0.5)
+        runs = list(Run.objects.all())
+        print(
+            f"{args.jobs} one-time jobs due at {due:%H:%M:%S}; {args.schedulers} schedulers, "
+            f"{args.relays} relays, {args.workers} workers x {args.concurrency}"
+        )
+        print(f"runs: {len(runs)}, succeeded: {sum(r.state == RunState.SUCCEEDED for r in runs)}")
+        stages = [
+            ("due -> created", "due_at", "created_at"),
+            ("created -> published", "created_at", "published_at"),
+            ("published -> started", "published_at", "started_at"),
+            ("started -> finished", "started_at", "finished_at"),
+            ("due -> started (lateness)", "due_at", "started_at"),
+        ]
+        for label, start, end in stages:
+            values = [
+                (getattr(r, end) - getattr(r, start)).total_seconds()
+                for r in runs
+                if getattr(r, end) and getattr(r, start)
+            ]
+            print(f"  {label:28s} {quantiles(values)}")
+        started = sorted(r.started_at for r in runs if r.started_at)
+        if len(started) > 1:
+            span = (started[-1] - started[0]).total_seconds()
+            print(f"  throughput: {len(started) / max(span, 1e-9):.0f} runs/s started")
+    finally:
+        for process in processes:
+            process.terminate()
+        for process in processes:
+            process.wait(timeout=60)
+        connection.close()
+        subprocess.run(
+            ["psql", f"{PG}/postgres", "-qc", f"DROP DATABASE IF EXISTS {name} WITH (FORCE)"]
+        )
+        subprocess.run(["rabbitmqctl", "-q", "delete_vhost", name])
+
+
+if __name__ == "__main__":
+    main()
