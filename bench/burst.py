@@ -65,6 +65,7 @@ def main() -> None:
     from django.core.management import call_command
     from django.db import connection
 
+    from dispatch.commands import worker_argv
     from jobs.models import Run, RunState
     from jobs.services import job_create
     from jobs.validation import JobSpecSerializer
@@ -102,31 +103,10 @@ def main() -> None:
         for _ in range(args.relays):
             processes.append(subprocess.Popen([*manage, "relay"], env=env, stdout=log, stderr=log))
         for index in range(args.workers):
-            processes.append(
-                subprocess.Popen(
-                    [
-                        sys.executable,
-                        "-m",
-                        "celery",
-                        "-A",
-                        "scheduler_project",
-                        "worker",
-                        "-Q",
-                        "jobs",
-                        f"--concurrency={args.concurrency}",
-                        "--loglevel=WARNING",
-                        "-n",
-                        f"w{index}@%h",
-                        "--without-gossip",
-                        "--without-mingle",
-                        "--without-heartbeat",
-                    ],
-                    env=env,
-                    stdout=log,
-                    stderr=log,
-                    cwd=ROOT,
-                )
+            argv = worker_argv(
+                name=f"w{index}", concurrency=args.concurrency, queues=["jobs"], loglevel="WARNING"
             )
+            processes.append(subprocess.Popen(argv, env=env, stdout=log, stderr=log, cwd=ROOT))
         deadline = time.monotonic() + args.lead + 600
         while time.monotonic() < deadline:
             done = Run.objects.filter(state=RunState.SUCCEEDED).count()

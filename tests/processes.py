@@ -14,6 +14,8 @@ from django.conf import settings
 from django.db import connection
 from kombu import Connection
 
+from dispatch.commands import worker_argv
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -91,27 +93,8 @@ class Stack:
         return self.start(name, [sys.executable, "manage.py", "relay", *args], env)
 
     def worker(self, name: str = "worker", concurrency: int = 2, **env: str) -> subprocess.Popen:
-        process = self.start(
-            name,
-            [
-                sys.executable,
-                "-m",
-                "celery",
-                "-A",
-                "scheduler_project",
-                "worker",
-                "--loglevel=INFO",
-                f"--concurrency={concurrency}",
-                "-Q",
-                "jobs",
-                "-n",
-                f"{name}@%h",
-                "--without-gossip",
-                "--without-mingle",
-                "--without-heartbeat",
-            ],
-            env,
-        )
+        argv = worker_argv(name=name, concurrency=concurrency, queues=["jobs"])
+        process = self.start(name, argv, env)
         wait_for(
             lambda: b" ready." in self.log(name) or process.poll() is not None,
             timeout=60,

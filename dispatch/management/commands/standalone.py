@@ -20,6 +20,8 @@ from django.core.management import call_command
 from django.core.management.base import BaseCommand
 from rest_framework.authtoken.models import Token
 
+from dispatch.commands import worker_argv
+
 STOP_GRACE_SECONDS = 20
 
 
@@ -61,20 +63,11 @@ class Command(BaseCommand):
             "web": [*django, "runserver", "--noreload", "--insecure", f"{host}:{port}"],
             "scheduler": [*django, "scheduler"],
             "relay": [*django, "relay"],
-            "worker": [
-                sys.executable,
-                "-m",
-                "celery",
-                "-A",
-                "scheduler_project",
-                "worker",
-                "--loglevel=INFO",
-                f"--concurrency={worker_concurrency}",
-                "-Q",
-                settings.SCHEDULER_DEFAULT_QUEUE,
-                "-n",
-                "standalone@%h",
-            ],
+            "worker": worker_argv(
+                name="standalone",
+                concurrency=worker_concurrency,
+                queues=[settings.SCHEDULER_DEFAULT_QUEUE],
+            ),
         }
         Supervisor(commands, env, self.stdout).run()
 
