@@ -11,5 +11,5 @@ class DispatchConfig(AppConfig):
     def ready(self) -> None:
         # Every process (web, scheduler, relay, worker) knows the same registered tasks:
         # the API refuses unknown task names, and the worker consumes them.
-        for module in settings.SCHEDULER_TASK_MODULES:
+        for module in ["dispatch.builtin_tasks", *settings.SCHEDULER_TASK_MODULES]:
             importlib.import_module(module)

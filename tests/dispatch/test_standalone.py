@@ -79,6 +79,28 @@ def test_standalone_on_embedded_defaults_runs_a_job_end_to_end(tmp_path):
         runs = wait_for(succeeded, timeout=60, message="the run to succeed")
         assert len(runs) == 1 and runs[0]["attempt_count"] == 1
         assert record.read_text().count('"executed"') == 1
+
+        # The README's first curl: the built-in echo task, present on every installation.
+        echo = http.post(
+            f"{base}/jobs/",
+            json={
+                "name": "hello",
+                "task": "scheduler.echo",
+                "args": ["hello"],
+                "schedule": {"kind": "once", "run_at": dt.datetime.now(dt.UTC).isoformat()},
+            },
+        )
+        assert echo.status_code == 201, echo.text
+        echo_runs = wait_for(
+            lambda: [
+                r
+                for r in http.get(f"{base}/jobs/{echo.json()['id']}/runs/").json()["results"]
+                if r["state"] == "succeeded"
+            ],
+            timeout=60,
+            message="the echo run to succeed",
+        )
+        assert echo_runs[0]["result"] == {"args": ["hello"], "kwargs": {}}
         assert (tmp_path / "var" / "scheduler.sqlite3").exists()
     finally:
         process.send_signal(signal.SIGTERM)
