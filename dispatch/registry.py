@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 
 from scheduler_project.celery import app
@@ -29,7 +30,7 @@ def job_task(name: str, **celery_options):
             return run_execute_delivery(
                 run_id=run_id,
                 handler=handler,
-                worker=self.request.hostname or "",
+                worker=f"{self.request.hostname or 'worker'}:{os.getpid()}",
                 message_id=self.request.id or "",
             )
 

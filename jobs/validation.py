@@ -108,16 +108,22 @@ class ScheduleSerializer(StrictSerializer):
         if errors:
             raise serializers.ValidationError(errors)
         if kind == "cron":
-            try:
-                attrs["expression"] = schedules.normalize_cron(attrs["expression"])
-            except schedules.ScheduleError as exc:
-                raise serializers.ValidationError({"expression": [str(exc)]}) from exc
             attrs.setdefault("timezone", "UTC")
-            try:
-                schedules.zone(attrs["timezone"])
-            except schedules.ScheduleError as exc:
-                raise serializers.ValidationError({"timezone": [str(exc)]}) from exc
         return attrs
+
+    # Field-level checks run before validate(), and every field's error is reported at once.
+    def validate_expression(self, value):
+        try:
+            return schedules.normalize_cron(value)
+        except schedules.ScheduleError as exc:
+            raise serializers.ValidationError(str(exc)) from exc
+
+    def validate_timezone(self, value):
+        try:
+            schedules.zone(value)
+        except schedules.ScheduleError as exc:
+            raise serializers.ValidationError(str(exc)) from exc
+        return value
 
 
 class RetrySerializer(StrictSerializer):

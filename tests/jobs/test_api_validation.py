@@ -301,3 +301,19 @@ def test_schema_is_served_to_an_authenticated_user(api):
     response = api.get("/api/schema/")
     assert response.status_code == 200
     assert b"/api/v1/jobs/" in response.content
+
+
+def test_every_bad_schedule_field_is_reported_at_once(api):
+    """A bad expression and a bad zone in one body: both fields named in one answer."""
+    response = api.post(
+        "/api/v1/jobs/",
+        {
+            "name": "x",
+            "task": "tests.record",
+            "schedule": {"kind": "cron", "expression": "61 * * * *", "timezone": "Mars/Base"},
+        },
+        format="json",
+    )
+    assert response.status_code == 400
+    assert set(response.json()["schedule"]) == {"expression", "timezone"}
+    assert not Job.objects.exists()
