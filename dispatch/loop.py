@@ -1,8 +1,8 @@
 """The thin loop around every `*_run_once`: stop on SIGTERM/SIGINT, back off on outages.
 
 A step returns how long to sleep; the loop adds jitter so that replicas drift apart.
-Database and broker errors close the connection and back off (up to 5 s), so a process
-reconnects by itself after PostgreSQL or RabbitMQ restarts.
+A failed step closes the connection and backs off (up to 5 s), so a process reconnects by
+itself after PostgreSQL or RabbitMQ restarts, and no single bad step kills it.
 """
 
 from __future__ import annotations
@@ -56,12 +56,23 @@ def run_loop(
             close_old_connections()
             sleep_for = step()
             backoff = 0.1
-        except (DatabaseError, *BROKER_ERRORS) as exc:
-            log.warning("%s step failed, retrying in %.1fs: %r", name, backoff, exc)
+        except Exception as exc:  # noqa: BLE001 - a loop must outlive any one bad step
+            expected = isinstance(exc, (DatabaseError, *BROKER_ERRORS))
+            # Outages are expected and logged briefly; anything else is a bug, reported with
+            # its traceback (and to Sentry through logging), then retried after a back-off.
+            log.log(
+                logging.WARNING if expected else logging.ERROR,
+                "%s step failed, retrying in %.1fs: %r",
+                name,
+                backoff,
+                exc,
+                exc_info=not expected,
+            )
             for connection in connections.all():
-                connection.close_if_unusable_or_obsolete()
                 if isinstance(exc, DatabaseError):
                     connection.close()
+                else:
+                    connection.close_if_unusable_or_obsolete()
             if on_error is not None:
                 on_error(exc)
             sleep_for = backoff

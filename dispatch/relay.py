@@ -57,9 +57,9 @@ class ConfirmingPublisher:
         self.connection = Connection(broker_url, transport_options=options)
         self.channel = None
         self.confirms = False
-        self.acked_upto = 0
+        self.sent = 0  # the channel's last delivery tag (confirm mode numbers from 1)
+        self.unconfirmed: set[int] = set()
         self.nacked = False
-        self.sent = 0
 
     def _open(self) -> None:
         if self.channel is not None:
@@ -67,19 +67,28 @@ class ConfirmingPublisher:
         self.connection.ensure_connection(max_retries=1)
         self.channel = self.connection.channel()
         self.confirms = self.connection.transport.driver_type == "amqp"
-        self.acked_upto, self.sent, self.nacked = 0, 0, False
+        self.sent, self.unconfirmed, self.nacked = 0, set(), False
         if self.confirms:
             self.channel.confirm_select()
             self.channel.events["basic_ack"].add(self._on_ack)
             self.channel.events["basic_nack"].add(self._on_nack)
 
+    def _settled(self, delivery_tag: int, multiple: bool) -> set[int]:
+        """The tags one confirm settles: every tag up to it with `multiple`, else that one.
+
+        RabbitMQ may confirm out of order (messages to different queues persist
+        independently), so a single ack of a higher tag says nothing of the lower ones.
+        """
+        if multiple:
+            return {tag for tag in self.unconfirmed if tag <= delivery_tag}
+        return {delivery_tag} & self.unconfirmed
+
     def _on_ack(self, delivery_tag: int, multiple: bool) -> None:
-        # Tags of one channel are confirmed in order when `multiple` is set; a single ack
-        # may come before lower tags only when they were nacked, which fails the batch.
-        self.acked_upto = max(self.acked_upto, delivery_tag)
+        self.unconfirmed -= self._settled(delivery_tag, multiple)
 
     def _on_nack(self, delivery_tag: int, multiple: bool) -> None:
-        self.nacked = True
+        if self._settled(delivery_tag, multiple):
+            self.nacked = True
 
     def publish_batch_and_confirm(self, messages: list[OutboxMessage], timeout: float) -> None:
         """Publish every message, then wait until the broker confirmed all of them."""
@@ -107,10 +116,12 @@ class ConfirmingPublisher:
                 **task.properties,
             )
             self.sent += 1
+            if self.confirms:
+                self.unconfirmed.add(self.sent)
         if not self.confirms:
             return
         deadline = time.monotonic() + timeout
-        while self.acked_upto < self.sent and not self.nacked:
+        while self.unconfirmed and not self.nacked:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 break
@@ -118,7 +129,7 @@ class ConfirmingPublisher:
                 self.connection.drain_events(timeout=min(remaining, 1.0))
             except TimeoutError:
                 continue
-        if self.nacked or self.acked_upto < self.sent:
+        if self.nacked or self.unconfirmed:
             self.reset()
             raise BrokerUnconfirmed(f"{len(messages)} messages not confirmed by the broker")
 

@@ -14,7 +14,7 @@ import traceback
 from collections.abc import Callable, Iterator
 
 from celery.exceptions import Reject
-from django.db import DatabaseError, connection, transaction
+from django.db import DatabaseError, InterfaceError, OperationalError, connection, transaction
 
 from jobs.models import Attempt, Run, RunState
 from jobs.retry import retries_left, retry_delay_seconds
@@ -33,6 +33,7 @@ from .models import Effect
 log = logging.getLogger("dispatch.runtime")
 # How long a finished attempt keeps trying to record its outcome while the database is down.
 COMPLETION_RETRY_SECONDS = 60.0
+MAX_RESULT_BYTES = 64 * 1024
 
 
 class StaleAttempt(Exception):
@@ -143,12 +144,26 @@ class RunContext:
             raise StaleAttempt(f"attempt {self.attempt} of run {self.run_id} is stale")
 
 
-def _jsonable(value):
+def _storable_result(value):
+    """The handler's return value as the database can store it: JSON without NaN or NUL
+    characters (PostgreSQL's jsonb refuses both), and bounded in size."""
     try:
-        json.dumps(value)
-        return value
-    except (TypeError, ValueError):
-        return repr(value)
+        text = json.dumps(value, allow_nan=False)
+    except (TypeError, ValueError, RecursionError):
+        text = json.dumps(repr(value)[:MAX_RESULT_BYTES])
+    if len(text) > MAX_RESULT_BYTES:
+        return {"truncated": True, "preview": text[:1000]}
+    return _without_nul(json.loads(text))
+
+
+def _without_nul(value):
+    if isinstance(value, str):
+        return value.replace("\x00", "")
+    if isinstance(value, list):
+        return [_without_nul(item) for item in value]
+    if isinstance(value, dict):
+        return {_without_nul(key): _without_nul(item) for key, item in value.items()}
+    return value
 
 
 def _with_database_retries(write: Callable[[], bool]) -> bool:
@@ -158,7 +173,7 @@ def _with_database_retries(write: Callable[[], bool]) -> bool:
     while True:
         try:
             return write()
-        except DatabaseError:
+        except (OperationalError, InterfaceError):  # the database is unreachable, not the data
             if time.monotonic() > deadline:
                 raise
             log.warning("recording an outcome failed; retrying in %.1fs", delay, exc_info=True)
@@ -212,7 +227,7 @@ def run_execute_delivery(*, run_id: str, handler: Callable, worker: str, message
         result = handler(ctx, *spec["args"], **spec["kwargs"])
     except Exception as exc:  # noqa: BLE001 - every handler error is the attempt's outcome
         keeper.stop()
-        error = "".join(traceback.format_exception(exc))[-8000:]
+        error = "".join(traceback.format_exception(exc))[-8000:].replace("\x00", "")
         retry = retries_left(spec["retry"], attempt_number=attempt.number)
         outcome = "retry_wait" if retry else "failed"
 
@@ -232,7 +247,7 @@ def run_execute_delivery(*, run_id: str, handler: Callable, worker: str, message
         outcome = "succeeded"
 
         def write() -> bool:
-            return attempt_succeed(attempt=attempt, now=db_now(), result=_jsonable(result))
+            return attempt_succeed(attempt=attempt, now=db_now(), result=_storable_result(result))
 
     if not _with_database_retries(write):
         counter_increment("scheduler_stale_completions_total", labels='kind="completion"')

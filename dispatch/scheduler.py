@@ -92,8 +92,9 @@ def _materialize_due_jobs(*, now: dt.datetime, limit: int) -> int:
                 spec=job.spec, created_at=job.created_at, after=occurrence
             )
         except ScheduleError as exc:
-            # Validated at creation, so only a changed environment (a zone gone from tzdata)
-            # gets here: stop this job visibly rather than fail every batch it is in.
+            # Validated at creation, so only a changed environment (a zone gone from tzdata,
+            # a spec edited by hand) gets here: stop this job visibly rather than fail every
+            # batch it is in.
             job.next_run_at = None
             audit.append(
                 AuditEvent(

@@ -30,6 +30,8 @@ FOLD_POLICIES = ("first", "both", "auto")
 DEFAULT_DST = {"gap": "shift", "fold": "auto"}
 # No zone has moved its clock by more than this at one transition.
 _MAX_SHIFT = dt.timedelta(hours=3)
+# Every valid 5-field expression matches within 28 years (a weekday on 29 February).
+_LONGEST_DROUGHT = dt.timedelta(days=366 * 30)
 
 
 class ScheduleError(ValueError):
@@ -52,6 +54,14 @@ def normalize_cron(expression: str) -> str:
     expression = CRON_ALIASES.get(expression.lower(), expression)
     if len(expression.split(" ")) != 5:
         raise ScheduleError("must have 5 fields: minute hour day-of-month month day-of-week")
+    for field in expression.split(" "):
+        for element in field.upper().split(","):
+            if element == "R" or element.startswith(("R(", "H")):
+                # croniter's random and hashed tokens change between evaluations, which
+                # would give one daily job two runs in a day.
+                raise ScheduleError(
+                    f"'{element}': random (R) and hashed (H) values are not supported"
+                )
     if not croniter.is_valid(expression):
         raise ScheduleError(f"'{expression}' is not a valid cron expression")
     try:
@@ -137,8 +147,12 @@ def _cron_occurrences(
     walls = croniter(expression, start_wall)
     pending: list[Occurrence] = []
     last_emitted: dt.datetime | None = None
-    for _ in range(100_000):  # bounded: a cron expression matches at least once in 28 years
+    progress_wall = start_wall
+    for _ in range(1_000_000):  # bounded; the drought check below ends a schedule that stalls
         wall = walls.get_next(dt.datetime)
+        if wall - progress_wall > _LONGEST_DROUGHT:
+            # e.g. "30 2 * 3 L0" in Europe/Berlin with gap=skip: every match is in a gap.
+            raise ScheduleError("never fires under this DST policy")
         for occurrence in _wall_time_instants(wall, tz, gap=gap, both_folds=both):
             if occurrence.at > after:
                 pending.append(occurrence)
@@ -148,7 +162,7 @@ def _cron_occurrences(
         while pending and pending[0].at <= horizon:
             occurrence = pending.pop(0)
             if occurrence.at != last_emitted:
-                last_emitted = occurrence.at
+                last_emitted, progress_wall = occurrence.at, wall
                 yield occurrence
     raise ScheduleError("the cron expression produced no occurrence")  # pragma: no cover
 
@@ -163,7 +177,24 @@ def occurrences(
     """Every fire instant of `schedule` strictly after `after` (aware), in order.
 
     `anchor` is where an interval schedule counts from (the job's start_at or creation).
+    Raises ScheduleError for a schedule that cannot be evaluated (e.g. past year 9999).
     """
+    try:
+        yield from _occurrences(schedule, after=after, dst=dst, anchor=anchor)
+    except ScheduleError:
+        raise
+    except (ValueError, OverflowError) as exc:  # CroniterBadDateError is a ValueError
+        raise ScheduleError(f"the schedule cannot be evaluated: {exc}") from exc
+
+
+def _occurrences(
+    schedule: dict,
+    *,
+    after: dt.datetime,
+    dst: dict | None = None,
+    anchor: dt.datetime | None = None,
+) -> Iterator[Occurrence]:
+    """The occurrences of `occurrences`, before its errors are translated."""
     kind = schedule["kind"]
     if kind == "once":
         run_at = schedule_run_at(schedule)
@@ -203,14 +234,3 @@ def next_fire(
     for occurrence in occurrences(schedule, after=after, dst=dst, anchor=anchor):
         return occurrence.at
     return None
-
-
-def first_fire(
-    schedule: dict, *, now: dt.datetime, dst: dict | None = None, anchor: dt.datetime | None = None
-) -> dt.datetime | None:
-    """The first instant a new job fires: a one-time job fires even if run_at has passed."""
-    if schedule["kind"] == "once":
-        return schedule_run_at(schedule)
-    if schedule["kind"] == "interval" and anchor is not None and anchor >= now:
-        return anchor
-    return next_fire(schedule, after=now, dst=dst, anchor=anchor)

@@ -36,12 +36,17 @@ def _within_end(spec: dict, instant: dt.datetime | None) -> dt.datetime | None:
     return instant
 
 
+def job_first_fire(*, spec: dict, now: dt.datetime) -> dt.datetime | None:
+    """A new job's first occurrence: at or after now (and start_at, inclusive); a one-time
+    job whose run_at has passed fires at once. None when it would never fire."""
+    if spec["schedule"]["kind"] == "once":
+        return _within_end(spec, schedules.schedule_run_at(spec["schedule"]))
+    return job_next_fire(spec=spec, created_at=now, after=now - dt.timedelta(microseconds=1))
+
+
 def job_create(*, owner: AbstractBaseUser, spec: dict, now: dt.datetime) -> Job:
     """Create a job, its first version and its audit event; `spec` is already validated."""
-    anchor = _anchor(spec, now)
-    first = schedules.first_fire(
-        spec["schedule"], now=max(now, anchor), dst=spec.get("dst"), anchor=anchor
-    )
+    first = job_first_fire(spec=spec, now=now)
     with transaction.atomic():
         job = Job.objects.create(
             owner=owner,
@@ -51,7 +56,7 @@ def job_create(*, owner: AbstractBaseUser, spec: dict, now: dt.datetime) -> Job:
             queue=spec["queue"],
             priority=spec["priority"],
             labels=spec["labels"],
-            next_run_at=_within_end(spec, first),
+            next_run_at=first,
             created_at=now,
         )
         JobVersion.objects.create(job=job, version=job.version, spec=spec, created_by=owner)

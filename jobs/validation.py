@@ -7,6 +7,7 @@ import json
 import re
 
 from django.conf import settings
+from django.utils import timezone
 from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
@@ -15,8 +16,28 @@ from dispatch.registry import registered_task_names
 
 from . import schedules
 from .retry import DEFAULT_RETRY
+from .services import job_first_fire
 
 QUEUE_RE = re.compile(r"^[A-Za-z0-9_.:-]{1,100}$")
+MAX_JSON_DEPTH = 32
+
+
+def json_problem(value) -> str | None:
+    """Why a JSON value cannot be stored (PostgreSQL refuses NUL characters; deep nesting
+    exhausts the stack), or None. Iterative, so that it is safe on any input."""
+    pending = [(value, 1)]
+    while pending:
+        item, depth = pending.pop()
+        if depth > MAX_JSON_DEPTH:
+            return f"Nested deeper than {MAX_JSON_DEPTH} levels."
+        if isinstance(item, str) and "\x00" in item:
+            return "Contains a NUL character (\\u0000)."
+        if isinstance(item, dict):
+            pending.extend((key, depth + 1) for key in item)
+            pending.extend((child, depth + 1) for child in item.values())
+        elif isinstance(item, list):
+            pending.extend((child, depth + 1) for child in item)
+    return None
 
 
 class StrictSerializer(serializers.Serializer):
@@ -213,6 +234,9 @@ class JobSpecSerializer(StrictSerializer):
                 attrs[field] = dict(serializer().run_validation({}))
         limit = settings.SCHEDULER_MAX_PAYLOAD_BYTES
         for field in ("args", "kwargs"):
+            problem = json_problem(attrs[field])
+            if problem:
+                raise serializers.ValidationError({field: [problem]})
             size = len(json.dumps(attrs[field]).encode())
             if size > limit:
                 raise serializers.ValidationError(
@@ -225,4 +249,14 @@ class JobSpecSerializer(StrictSerializer):
                 )
         if attrs["start_at"] and attrs["end_at"] and attrs["end_at"] <= attrs["start_at"]:
             raise serializers.ValidationError({"end_at": ["Must be later than start_at."]})
+        # Evaluate the schedule once now, so that one that cannot fire is refused here
+        # rather than found by the scheduler.
+        try:
+            first = job_first_fire(spec=attrs, now=timezone.now())
+        except schedules.ScheduleError as exc:
+            raise serializers.ValidationError({"schedule": [str(exc)]}) from exc
+        if first is None:
+            raise serializers.ValidationError(
+                {"end_at": ["The schedule has no occurrence before end_at."]}
+            )
         return attrs

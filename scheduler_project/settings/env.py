@@ -31,3 +31,8 @@ DJANGO_DEBUG = env_bool("DJANGO_DEBUG", False)
 DJANGO_ALLOWED_HOSTS = env_list("DJANGO_ALLOWED_HOSTS") or ["localhost", "127.0.0.1", "[::1]"]
 SENTRY_DSN = os.environ.get("SENTRY_DSN", "")
 SCHEDULER_TASK_MODULES = env_list("SCHEDULER_TASK_MODULES")
+SCHEDULER_QUEUE_TYPE = env_str("SCHEDULER_QUEUE_TYPE", "classic")
+if SCHEDULER_QUEUE_TYPE not in {"classic", "quorum"}:
+    raise ValueError(
+        f"SCHEDULER_QUEUE_TYPE must be classic or quorum, not {SCHEDULER_QUEUE_TYPE!r}"
+    )

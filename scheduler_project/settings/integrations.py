@@ -10,21 +10,28 @@ EMBEDDED_BROKER = CELERY_BROKER_URL.startswith("filesystem://")
 # The worker consumes this queue unless told otherwise (-Q); jobs name it in `queue`.
 SCHEDULER_DEFAULT_QUEUE = "jobs"
 CELERY_TASK_DEFAULT_QUEUE = SCHEDULER_DEFAULT_QUEUE
+# "quorum" on a RabbitMQ cluster; every queue, the default one and those jobs name, alike.
+SCHEDULER_QUEUE_TYPE = env.SCHEDULER_QUEUE_TYPE
 CELERY_TASK_QUEUES = [
     Queue(
         SCHEDULER_DEFAULT_QUEUE,
         Exchange(SCHEDULER_DEFAULT_QUEUE, type="direct", durable=True),
         routing_key=SCHEDULER_DEFAULT_QUEUE,
         durable=True,
+        # Classic queues are declared without the argument, as Celery itself declares them.
+        queue_arguments={"x-queue-type": "quorum"} if SCHEDULER_QUEUE_TYPE == "quorum" else None,
     )
 ]
 CELERY_TASK_CREATE_MISSING_QUEUES = True
+CELERY_TASK_CREATE_MISSING_QUEUE_TYPE = SCHEDULER_QUEUE_TYPE
 
 CELERY_TASK_ACKS_LATE = True
 CELERY_TASK_REJECT_ON_WORKER_LOST = True
 CELERY_TASK_ACKS_ON_FAILURE_OR_TIMEOUT = True
 CELERY_WORKER_PREFETCH_MULTIPLIER = 1
-CELERY_WORKER_CANCEL_LONG_RUNNING_TASKS_ON_CONNECTION_LOSS = True
+# False: the claim and the fencing token already make a redelivered copy harmless, and
+# cancelling would strand the attempt that is doing the work (docs/celery-settings.md).
+CELERY_WORKER_CANCEL_LONG_RUNNING_TASKS_ON_CONNECTION_LOSS = False
 CELERY_TASK_SERIALIZER = "json"
 CELERY_RESULT_SERIALIZER = "json"
 CELERY_ACCEPT_CONTENT = ["json"]

@@ -80,3 +80,17 @@ def test_unreachable_broker_leaves_rows_pending_with_tries_and_error(pending_run
     assert [row.state for row in rows] == [OutboxState.PENDING] * 2
     assert all(row.publish_tries == 1 and row.last_error for row in rows)
     assert not Run.objects.filter(published_at__isnull=False).exists()
+
+
+def test_confirms_settle_only_the_tags_they_name():
+    """RabbitMQ may confirm out of order: a single ack of tag 2 says nothing of tag 1."""
+    publisher = ConfirmingPublisher("amqp://guest:guest@127.0.0.1:1//", {})
+    publisher.unconfirmed = {1, 2, 3, 4}
+    publisher._on_ack(2, False)
+    assert publisher.unconfirmed == {1, 3, 4}
+    publisher._on_ack(3, True)
+    assert publisher.unconfirmed == {4}
+    publisher._on_nack(2, False)  # already settled: not this batch's failure
+    assert not publisher.nacked
+    publisher._on_nack(4, True)
+    assert publisher.nacked

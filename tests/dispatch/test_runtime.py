@@ -123,3 +123,44 @@ def test_a_superseded_attempt_can_neither_record_an_effect_nor_complete(queued_r
     run.refresh_from_db()
     assert run.state == RunState.RUNNING and not Effect.objects.exists()
     assert _counter("scheduler_stale_completions_total") == 3  # effect, heartbeat, completion
+
+
+@pytest.mark.parametrize(
+    ("returned", "stored"),
+    [
+        ({"r": float("nan")}, "{'r': nan}"),
+        ({"t": "a\x00b", "k\x00": ["c\x00"]}, {"t": "ab", "k": ["c"]}),
+        ({"big": "x" * 70_000}, None),
+    ],
+    ids=["nan", "nul", "oversize"],
+)
+def test_any_return_value_is_stored_and_the_run_succeeds(queued_run, returned, stored):
+    """PostgreSQL's jsonb refuses NaN and NUL: the outcome must still be recorded."""
+    run = queued_run()
+    result = run_execute_delivery(
+        run_id=str(run.id), handler=lambda ctx: returned, worker="w", message_id="m"
+    )
+    assert result["outcome"] == "succeeded"
+    run.refresh_from_db()
+    assert run.state == RunState.SUCCEEDED
+    if stored is None:
+        assert run.result["truncated"] is True
+    else:
+        assert run.result == stored
+
+
+def test_an_error_message_with_nul_characters_is_stored(queued_run):
+    run = queued_run(retry={"max_attempts": 1})
+
+    def handler(ctx):
+        raise ValueError("bad \x00 value")
+
+    assert (
+        run_execute_delivery(run_id=str(run.id), handler=handler, worker="w", message_id="m")[
+            "outcome"
+        ]
+        == "failed"
+    )
+    attempt = run.attempts.get()
+    assert attempt.state == "failed" and "bad  value" in attempt.error
+    assert Run.objects.get(id=run.id).failure_reason == "exhausted"

@@ -113,6 +113,29 @@ INVALID_BODIES = {
         valid_body(schedule={"kind": "once", "run_at": RUN_AT, "zone": "UTC"}),
         ("schedule", "zone"),
     ),
+    "random cron value": (cron_body(expression="R 9 * * *"), ("schedule", "expression")),
+    "cron that only matches DST gaps, gap=skip": (
+        valid_body(
+            schedule={"kind": "cron", "expression": "30 2 * 3 L0", "timezone": "Europe/Berlin"},
+            dst={"gap": "skip", "fold": "auto"},
+        ),
+        ("schedule",),
+    ),
+    "start_at at the end of time": (
+        cron_body(timezone="Europe/Berlin") | {"start_at": "9999-12-31T00:00:00Z"},
+        ("schedule",),
+    ),
+    "end_at before the first occurrence": (
+        cron_body() | {"start_at": "2030-01-01T10:00:00Z", "end_at": "2030-01-01T11:00:00Z"},
+        ("end_at",),
+    ),
+    # args and kwargs PostgreSQL could not store
+    "NUL character in args": (valid_body(args=["a\u0000b"]), ("args",)),
+    "NUL character in a kwargs key": (valid_body(kwargs={"a\u0000": 1}), ("kwargs",)),
+    "args nested too deeply": (
+        valid_body(args=[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[1]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]),
+        ("args",),
+    ),
     # task
     "unknown task": (valid_body(task="os.system"), ("task",)),
     # numbers out of range
@@ -317,3 +340,15 @@ def test_every_bad_schedule_field_is_reported_at_once(api):
     assert response.status_code == 400
     assert set(response.json()["schedule"]) == {"expression", "timezone"}
     assert not Job.objects.exists()
+
+
+def test_a_body_nested_thousands_deep_is_a_client_error(api):
+    """Neither the parser nor the size check may blow the stack into a 500."""
+    deep = "[" * 3000 + "]" * 3000
+    body = (
+        f'{{"name": "x", "task": "tests.record", "args": [{deep}], '
+        f'"schedule": {{"kind": "once", "run_at": "{RUN_AT}"}}}}'
+    )
+    response = api.post(JOBS_URL, body, content_type="application/json")
+    assert response.status_code == 400, response.content[:300]
+    assert_nothing_created()

@@ -12,13 +12,12 @@ import pytest
 from jobs.retry import retries_left, retry_delay_seconds
 from jobs.schedules import (
     ScheduleError,
-    first_fire,
     next_fire,
     normalize_cron,
     occurrences,
     zone,
 )
-from jobs.services import job_next_fire
+from jobs.services import job_first_fire, job_next_fire
 from tests.conftest import job_spec
 
 UTC = dt.UTC
@@ -279,15 +278,57 @@ def test_once_run_at_with_offset_is_read_as_utc():
 
 def test_first_fire_of_once_in_the_past_still_fires():
     """A one-time job created after its run_at runs (late) rather than never."""
-    schedule = {"kind": "once", "run_at": "2020-01-01T00:00:00+00:00"}
-    assert first_fire(schedule, now=at("2025-06-01T00:00")) == at("2020-01-01T00:00")
+    spec = job_spec(schedule={"kind": "once", "run_at": "2020-01-01T00:00:00+00:00"})
+    assert job_first_fire(spec=spec, now=at("2025-06-01T00:00")) == at("2020-01-01T00:00")
 
 
-def test_first_fire_of_interval_is_a_future_anchor_or_the_next_step():
-    schedule = {"kind": "interval", "every_seconds": 3600}
-    anchor = at("2030-01-01T00:00")
-    assert first_fire(schedule, now=at("2029-12-01T00:00"), anchor=anchor) == anchor
-    assert first_fire(schedule, now=at("2030-01-01T01:30"), anchor=anchor) == at("2030-01-01T02:00")
+def test_first_fire_of_interval_is_a_future_start_at_or_the_next_step():
+    spec = job_spec(
+        schedule={"kind": "interval", "every_seconds": 3600}, start_at="2030-01-01T00:00:00Z"
+    )
+    assert job_first_fire(spec=spec, now=at("2029-12-01T00:00")) == at("2030-01-01T00:00")
+    assert job_first_fire(spec=spec, now=at("2030-01-01T01:30")) == at("2030-01-01T02:00")
+
+
+def test_first_fire_of_cron_includes_a_start_at_that_is_an_occurrence():
+    """start_at is inclusive for cron as for interval schedules."""
+    spec = job_spec(
+        schedule={"kind": "cron", "expression": "0 9 * * *"}, start_at="2030-01-05T09:00:00Z"
+    )
+    assert job_first_fire(spec=spec, now=at("2029-12-01T00:00")) == at("2030-01-05T09:00")
+
+
+def test_first_fire_of_cron_at_creation_instant_fires_now():
+    spec = job_spec(schedule={"kind": "cron", "expression": "0 9 * * *"})
+    assert job_first_fire(spec=spec, now=at("2030-01-05T09:00")) == at("2030-01-05T09:00")
+
+
+def test_cron_that_only_matches_dst_gaps_never_fires_under_gap_skip():
+    """Last Sunday of March at 02:30 in Berlin is always in the gap: skip means never."""
+    schedule = {"kind": "cron", "expression": "30 2 * 3 L0", "timezone": "Europe/Berlin"}
+    with pytest.raises(ScheduleError, match="never fires"):
+        next_fire(schedule, after=at("2026-01-01T00:00"), dst={"gap": "skip", "fold": "auto"})
+    shifted = next_fire(
+        schedule, after=at("2026-01-01T00:00"), dst={"gap": "shift", "fold": "auto"}
+    )
+    assert shifted == at("2026-03-29T01:00")
+
+
+def test_schedule_past_year_9999_is_a_schedule_error():
+    schedule = {"kind": "cron", "expression": "0 0 * * *", "timezone": "Europe/Berlin"}
+    with pytest.raises(ScheduleError, match="cannot be evaluated"):
+        next_fire(schedule, after=dt.datetime(9999, 12, 31, 12, tzinfo=UTC))
+
+
+@pytest.mark.parametrize("expression", ["R 9 * * *", "H 9 * * *", "0 H(0-5) * * *", "H/5 * * * *"])
+def test_random_and_hashed_cron_values_are_refused(expression):
+    """They change between evaluations: one daily job would get two runs in a day."""
+    with pytest.raises(ScheduleError, match="not supported"):
+        normalize_cron(expression)
+
+
+def test_day_and_month_names_are_not_mistaken_for_hashed_values():
+    assert normalize_cron("0 9 * MAR THU,FRI") == "0 9 * MAR THU,FRI"
 
 
 def test_unknown_kind_is_an_error():
