@@ -352,3 +352,11 @@ def test_a_body_nested_thousands_deep_is_a_client_error(api):
     response = api.post(JOBS_URL, body, content_type="application/json")
     assert response.status_code == 400, response.content[:300]
     assert_nothing_created()
+
+
+def test_a_body_over_the_upload_limit_answers_413_in_json(api, settings):
+    settings.DATA_UPLOAD_MAX_MEMORY_SIZE = 10_000
+    response = api.post(JOBS_URL, valid_body(args=["x" * 20_000]), format="json")
+    assert response.status_code == 413
+    assert "limit" in response.json()["detail"]
+    assert_nothing_created()
