@@ -4,6 +4,7 @@ import datetime as dt
 import json
 
 import pytest
+from celery import current_app
 from django.conf import settings
 from kombu import Connection
 
@@ -36,7 +37,8 @@ def pending_runs(make_job):
 def _drain_queue() -> list[dict]:
     """Every message now in the `jobs` queue, as (headers, body)."""
     with Connection(settings.CELERY_BROKER_URL) as broker:
-        queue = broker.SimpleQueue("jobs", no_ack=True)
+        # Declared as the product declares it (classic or quorum).
+        queue = broker.SimpleQueue(current_app.amqp.queues["jobs"], no_ack=True)
         messages = []
         while True:
             try:
