@@ -99,32 +99,42 @@ def attempt_renew_lease(*, attempt: Attempt, now: dt.datetime, lease_seconds: fl
     )
 
 
-def _finish_attempt(attempt: Attempt, to: str, *, now: dt.datetime, error: str = "") -> bool:
-    return bool(
-        # No join on the run: the caller moves the run in the same transaction, conditioned
-        # on the token, and rolls both back if that loses.
-        Attempt.objects.filter(
+def _finish(
+    attempt: Attempt,
+    *,
+    attempt_to: str,
+    run_to: str,
+    now: dt.datetime,
+    error: str = "",
+    **run_fields,
+) -> bool:
+    """The attempt leaves running and its run moves to `run_to`, both or neither, and only
+    while the attempt holds the run's current fencing token."""
+    with transaction.atomic():
+        # No join on the run here: the run's own update below is conditioned on the token,
+        # and losing it rolls both back.
+        finished = Attempt.objects.filter(
             id=attempt.id, state=AttemptState.RUNNING, fencing_token=attempt.fencing_token
-        ).update(state=to, finished_at=now, error=error)
-    )
+        ).update(state=attempt_to, finished_at=now, error=error)
+        if not finished:
+            return False
+        if not _move_runs([attempt.run_id], run_to, token=attempt.fencing_token, **run_fields):
+            transaction.set_rollback(True)
+            return False
+        return True
 
 
 def attempt_succeed(*, attempt: Attempt, now: dt.datetime, result=None) -> bool:
-    """running -> succeeded, for the attempt and its run, only with the current token."""
-    with transaction.atomic():
-        if not _finish_attempt(attempt, AttemptState.SUCCEEDED, now=now):
-            return False
-        won = _move_runs(
-            [attempt.run_id],
-            RunState.SUCCEEDED,
-            token=attempt.fencing_token,
-            finished_at=now,
-            result=result,
-            failure_reason="",
-        )
-        if not won:
-            transaction.set_rollback(True)
-        return bool(won)
+    """running -> succeeded, for the attempt and its run."""
+    return _finish(
+        attempt,
+        attempt_to=AttemptState.SUCCEEDED,
+        run_to=RunState.SUCCEEDED,
+        now=now,
+        finished_at=now,
+        result=result,
+        failure_reason="",
+    )
 
 
 def attempt_fail(
@@ -136,24 +146,21 @@ def attempt_fail(
     reason: str = FailureReason.EXHAUSTED,
 ) -> bool:
     """running -> failed for the attempt; the run waits for a retry at `retry_at`, or fails."""
-    with transaction.atomic():
-        if not _finish_attempt(attempt, AttemptState.FAILED, now=now, error=error):
-            return False
-        if retry_at is not None:
-            won = _move_runs(
-                [attempt.run_id],
-                RunState.RETRY_WAIT,
-                token=attempt.fencing_token,
-                next_attempt_at=retry_at,
-            )
-        else:
-            won = _move_runs(
-                [attempt.run_id],
-                RunState.FAILED,
-                token=attempt.fencing_token,
-                finished_at=now,
-                failure_reason=reason,
-            )
-        if not won:
-            transaction.set_rollback(True)
-        return bool(won)
+    if retry_at is not None:
+        return _finish(
+            attempt,
+            attempt_to=AttemptState.FAILED,
+            run_to=RunState.RETRY_WAIT,
+            now=now,
+            error=error,
+            next_attempt_at=retry_at,
+        )
+    return _finish(
+        attempt,
+        attempt_to=AttemptState.FAILED,
+        run_to=RunState.FAILED,
+        now=now,
+        error=error,
+        finished_at=now,
+        failure_reason=reason,
+    )
