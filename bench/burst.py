@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import os
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -38,6 +39,8 @@ def main() -> None:
     parser.add_argument("--relays", type=int, default=2)
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--concurrency", type=int, default=2)
+    parser.add_argument("--pool", default="prefork", help="the Celery pool: prefork, solo, threads")
+    parser.add_argument("--worker-args", default="", help='more worker options, e.g. "-O fair"')
     parser.add_argument("--lead", type=float, default=15.0, help="seconds until the jobs are due")
     args = parser.parse_args()
 
@@ -104,7 +107,11 @@ def main() -> None:
             processes.append(subprocess.Popen([*manage, "relay"], env=env, stdout=log, stderr=log))
         for index in range(args.workers):
             argv = worker_argv(
-                name=f"w{index}", concurrency=args.concurrency, queues=["jobs"], loglevel="WARNING"
+                name=f"w{index}",
+                concurrency=args.concurrency,
+                queues=["jobs"],
+                loglevel="WARNING",
+                extra=(f"--pool={args.pool}", *shlex.split(args.worker_args)),
             )
             processes.append(subprocess.Popen(argv, env=env, stdout=log, stderr=log, cwd=ROOT))
         deadline = time.monotonic() + args.lead + 600

@@ -4,12 +4,20 @@ import sys
 
 
 def worker_argv(
-    *, name: str, concurrency: int, queues: list[str], loglevel: str = "INFO"
+    *,
+    name: str,
+    concurrency: int,
+    queues: list[str],
+    loglevel: str = "INFO",
+    extra: tuple[str, ...] = (),
 ) -> list[str]:
-    """A Celery worker consuming `queues`. Gossip, mingle and event heartbeats are off: the
-    scheduler keeps its own state in PostgreSQL and uses none of them."""
+    """A Celery worker consuming `queues`, with any extra options (`--pool=solo`, ...).
+
+    Gossip and mingle are off: the scheduler keeps its state in PostgreSQL and uses neither.
+    Worker heartbeats stay on: without their timer, a solo-pool worker was measured to stall
+    10 s between deliveries (docs/celery-settings.md)."""
     return [
         sys.executable, "-m", "celery", "-A", "scheduler_project", "worker",
         f"--loglevel={loglevel}", f"--concurrency={concurrency}", "-Q", ",".join(queues),
-        "-n", f"{name}@%h", "--without-gossip", "--without-mingle", "--without-heartbeat",
+        "-n", f"{name}@%h", "--without-gossip", "--without-mingle", *extra,
     ]  # fmt: skip
