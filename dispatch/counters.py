@@ -15,7 +15,3 @@ def counter_increment(name: str, *, by: int = 1, labels: str = "") -> None:
             Counter.objects.create(name=name, labels=labels, value=by)
     except IntegrityError:  # another process created it first
         Counter.objects.filter(name=name, labels=labels).update(value=F("value") + by)
-
-
-def counter_values() -> dict[tuple[str, str], int]:
-    return {(c.name, c.labels): c.value for c in Counter.objects.all()}

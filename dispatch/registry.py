@@ -41,7 +41,3 @@ def job_task(name: str, **celery_options):
 
 def registered_task_names() -> frozenset[str]:
     return frozenset(_handlers)
-
-
-def handler_for(name: str) -> Callable | None:
-    return _handlers.get(name)

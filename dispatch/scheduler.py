@@ -120,12 +120,12 @@ def _promote_due_retries(*, now: dt.datetime, limit: int) -> int:
     )
     if not runs:
         return 0
-    runs_requeue(run_ids=[run.id for run in runs], now=now)
+    runs_requeue(run_ids=[run.id for run in runs])
     outbox_enqueue_runs(runs=runs, now=now)
     return len(runs)
 
 
-def scheduler_next_due(*, now: dt.datetime) -> dt.datetime | None:
+def scheduler_next_due() -> dt.datetime | None:
     """The earliest instant at which there will be work (both queries use partial indexes)."""
     job_due = Job.objects.filter(state=JobState.ACTIVE).aggregate(at=Min("next_run_at"))["at"]
     retry_due = Run.objects.filter(state=RunState.RETRY_WAIT).aggregate(at=Min("next_attempt_at"))[
@@ -137,7 +137,7 @@ def scheduler_next_due(*, now: dt.datetime) -> dt.datetime | None:
 
 def scheduler_sleep_seconds(*, now: dt.datetime, config: SchedulerConfig) -> float:
     """Sleep until the next due instant, never longer than the poll interval."""
-    next_due = scheduler_next_due(now=now)
+    next_due = scheduler_next_due()
     if next_due is None:
         return config.poll_interval
     return min(config.poll_interval, max(0.0, (next_due - now).total_seconds()))

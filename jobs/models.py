@@ -33,14 +33,6 @@ class RunState(models.TextChoices):
     SKIPPED = "skipped"  # terminal: overlap or misfire policy, kept to be visible
 
 
-RUN_TERMINAL_STATES = frozenset(
-    {RunState.SUCCEEDED, RunState.FAILED, RunState.CANCELLED, RunState.SKIPPED}
-)
-RUN_ACTIVE_STATES = frozenset(
-    {RunState.PENDING, RunState.QUEUED, RunState.RUNNING, RunState.RETRY_WAIT}
-)
-
-
 class RunKind(models.TextChoices):
     SCHEDULED = "scheduled"
     MANUAL = "manual"

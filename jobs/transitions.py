@@ -27,10 +27,6 @@ RUN_TRANSITIONS: dict[str, frozenset[str]] = {
 }
 
 
-class IllegalTransition(Exception):
-    """Raised by callers that must report a refused transition (HTTP 409)."""
-
-
 def _move_runs(run_ids: Iterable, to: str, *, token: int | None = None, **fields) -> int:
     """Move the runs that may enter `to`; with `token`, only while it is still current."""
     rows = Run.objects.filter(id__in=list(run_ids), state__in=RUN_TRANSITIONS[to])
@@ -39,7 +35,7 @@ def _move_runs(run_ids: Iterable, to: str, *, token: int | None = None, **fields
     return rows.update(state=to, **fields)
 
 
-def runs_requeue(*, run_ids: list, now: dt.datetime) -> int:
+def runs_requeue(*, run_ids: list) -> int:
     """retry_wait/pending -> queued (the caller writes the outbox rows in the same transaction)."""
     return _move_runs(run_ids, RunState.QUEUED, next_attempt_at=None)
 

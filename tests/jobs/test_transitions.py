@@ -178,13 +178,13 @@ def test_finished_attempt_cannot_finish_again(claimed):
 
 def test_succeeded_run_cannot_be_requeued_or_claimed(claimed):
     assert attempt_succeed(attempt=claimed, now=later(5))
-    assert runs_requeue(run_ids=[claimed.run_id], now=later(6)) == 0
+    assert runs_requeue(run_ids=[claimed.run_id]) == 0
     assert run_claim(run_id=claimed.run_id, worker="w", now=later(6), lease_seconds=LEASE) is None
     assert reload(claimed.run).state == RunState.SUCCEEDED
 
 
 def test_running_run_cannot_be_requeued(claimed):
-    assert runs_requeue(run_ids=[claimed.run_id], now=later(2)) == 0
+    assert runs_requeue(run_ids=[claimed.run_id]) == 0
     assert reload(claimed.run).state == RunState.RUNNING
 
 
