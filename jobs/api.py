@@ -13,7 +13,7 @@ from dispatch.clock import db_now
 
 from .models import JobState, RunKind, RunState
 from .selectors import job_get, job_list, run_get, run_list
-from .services import job_create
+from .services import job_cancel, job_create, run_cancel_request, run_replay_request
 from .validation import JobSpecSerializer
 
 
@@ -160,3 +160,46 @@ class RunDetailApi(APIView):
         if run is None:
             raise Http404
         return Response(RunOutput(run).data)
+
+
+def _conflict(detail: str, *, state: str) -> Response:
+    return Response({"detail": detail, "state": state}, status=status.HTTP_409_CONFLICT)
+
+
+class JobCancelApi(APIView):
+    @extend_schema(request=None, responses={200: JobOutput, 409: dict})
+    def post(self, request, job_id):
+        job = job_get(user=request.user, job_id=job_id)
+        if job is None:
+            raise Http404
+        if not job_cancel(job=job, actor=request.user, now=db_now()):
+            job.refresh_from_db()
+            return _conflict(f"a {job.state} job cannot be cancelled", state=job.state)
+        return Response(JobOutput(job_get(user=request.user, job_id=job_id)).data)
+
+
+class RunCancelApi(APIView):
+    @extend_schema(request=None, responses={200: RunOutput, 409: dict})
+    def post(self, request, run_id):
+        run = run_get(user=request.user, run_id=run_id)
+        if run is None:
+            raise Http404
+        if not run_cancel_request(run=run, actor=request.user, now=db_now()):
+            run.refresh_from_db()
+            return _conflict(f"a {run.state} run cannot be cancelled", state=run.state)
+        return Response(RunOutput(run_get(user=request.user, run_id=run_id)).data)
+
+
+class RunReplayApi(APIView):
+    @extend_schema(request=None, responses={200: RunOutput, 409: dict})
+    def post(self, request, run_id):
+        run = run_get(user=request.user, run_id=run_id)
+        if run is None:
+            raise Http404
+        if not run_replay_request(run=run, actor=request.user, now=db_now()):
+            run.refresh_from_db()
+            return _conflict(
+                f"only a failed or cancelled run can be replayed, not a {run.state} one",
+                state=run.state,
+            )
+        return Response(RunOutput(run_get(user=request.user, run_id=run_id)).data)

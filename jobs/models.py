@@ -40,11 +40,12 @@ class RunKind(models.TextChoices):
 
 
 class FailureReason(models.TextChoices):
-    ERROR = "error"  # a non-retryable error
-    TIMEOUT = "timeout"
-    LOST = "lost"
+    ERROR = "error"  # the handler raised NonRetryableError
+    TIMEOUT = "timeout"  # the last attempt ran past timeout_seconds
+    LOST = "lost"  # the last attempt's worker vanished (lease expired)
     EXHAUSTED = "exhausted"  # every attempt of the retry budget failed
-    OUTCOME_UNKNOWN = "outcome_unknown"
+    OUTCOME_UNKNOWN = "outcome_unknown"  # at_most_once: an attempt was lost after it started
+    UNDELIVERABLE = "undeliverable"  # re-published again and again, never claimed by a worker
 
 
 class AttemptState(models.TextChoices):
@@ -134,6 +135,10 @@ class Run(models.Model):
     finished_at = models.DateTimeField(null=True, blank=True)
     updated_at = models.DateTimeField(auto_now=True)
     duplicate_deliveries = models.PositiveIntegerField(default=0)
+    # Attempts made before the latest operator replay: a replay grants a fresh retry budget.
+    retry_base = models.PositiveIntegerField(default=0)
+    # Times reconciliation re-published this run because its message never reached a worker.
+    republish_count = models.PositiveIntegerField(default=0)
 
     class Meta:
         indexes = [
@@ -166,6 +171,8 @@ class Attempt(models.Model):
     state = models.CharField(max_length=16, choices=AttemptState.choices)
     worker = models.CharField(max_length=200, blank=True, default="")
     lease_expires_at = models.DateTimeField()
+    # started_at + timeout_seconds: the worker stops the handler then; the reaper after.
+    deadline_at = models.DateTimeField(null=True, blank=True)
     heartbeat_at = models.DateTimeField()
     started_at = models.DateTimeField()
     finished_at = models.DateTimeField(null=True, blank=True)

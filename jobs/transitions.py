@@ -10,26 +10,46 @@ import datetime as dt
 from collections.abc import Iterable
 
 from django.db import connection, transaction
+from django.db.models import F
 
 from .models import Attempt, AttemptState, FailureReason, Run, RunState
 
 # to-state -> the states a run may enter it from.
+ACTIVE_RUN_STATES = frozenset(
+    {RunState.PENDING, RunState.QUEUED, RunState.RUNNING, RunState.RETRY_WAIT}
+)
+# Only an operator replay leaves these; every other terminal state is final.
+REPLAYABLE_RUN_STATES = frozenset({RunState.FAILED, RunState.CANCELLED})
+TERMINAL_RUN_STATES = frozenset(RunState.values) - ACTIVE_RUN_STATES
+
+# to-state -> the states a run may enter it from. Replay (failed/cancelled -> queued) is
+# the one transition not listed: only `run_replay` makes it.
 RUN_TRANSITIONS: dict[str, frozenset[str]] = {
     RunState.QUEUED: frozenset({RunState.PENDING, RunState.RETRY_WAIT}),
     RunState.RUNNING: frozenset({RunState.QUEUED}),
     RunState.SUCCEEDED: frozenset({RunState.RUNNING}),
     RunState.RETRY_WAIT: frozenset({RunState.RUNNING}),
-    RunState.FAILED: frozenset({RunState.RUNNING}),
-    RunState.CANCELLED: frozenset(
-        {RunState.PENDING, RunState.QUEUED, RunState.RUNNING, RunState.RETRY_WAIT}
-    ),
+    # From queued: reconciliation gives up on a run that no worker ever claims.
+    RunState.FAILED: frozenset({RunState.RUNNING, RunState.QUEUED}),
+    RunState.CANCELLED: ACTIVE_RUN_STATES,
     RunState.SKIPPED: frozenset({RunState.PENDING}),
 }
 
 
-def _move_runs(run_ids: Iterable, to: str, *, token: int | None = None, **fields) -> int:
-    """Move the runs that may enter `to`; with `token`, only while it is still current."""
-    rows = Run.objects.filter(id__in=list(run_ids), state__in=RUN_TRANSITIONS[to])
+def _move_runs(
+    run_ids: Iterable,
+    to: str,
+    *,
+    token: int | None = None,
+    from_states: Iterable[str] | None = None,
+    **fields,
+) -> int:
+    """Move the runs that may enter `to` (or are in `from_states`, a subset of those);
+    with `token`, only while it is still current."""
+    allowed = RUN_TRANSITIONS[to]
+    if from_states is not None:
+        allowed &= frozenset(from_states)
+    rows = Run.objects.filter(id__in=list(run_ids), state__in=allowed)
     if token is not None:
         rows = rows.filter(fencing_token=token)
     return rows.update(state=to, **fields)
@@ -40,7 +60,55 @@ def runs_requeue(*, run_ids: list) -> int:
     return _move_runs(run_ids, RunState.QUEUED, next_attempt_at=None)
 
 
-def run_claim(*, run_id, worker: str, now: dt.datetime, lease_seconds: float) -> Attempt | None:
+def run_replay(*, run_id) -> bool:
+    """failed/cancelled -> queued, with a fresh retry budget; the next claim issues the next
+    fencing token, and the idempotency key stays. The caller writes the outbox row."""
+    return bool(
+        Run.objects.filter(id=run_id, state__in=REPLAYABLE_RUN_STATES).update(
+            state=RunState.QUEUED,
+            retry_base=F("attempt_count"),
+            republish_count=0,
+            failure_reason="",
+            finished_at=None,
+            next_attempt_at=None,
+            result=None,
+        )
+    )
+
+
+def run_cancel(*, run_id, now: dt.datetime) -> bool:
+    """Any active state -> cancelled; a running attempt ends `cancelled` in the same
+    transaction, so its later heartbeat, effect or completion is refused."""
+    with transaction.atomic():
+        cancelled = _move_runs([run_id], RunState.CANCELLED, finished_at=now, next_attempt_at=None)
+        if cancelled:
+            Attempt.objects.filter(run_id=run_id, state=AttemptState.RUNNING).update(
+                state=AttemptState.CANCELLED, finished_at=now, error="cancelled by request"
+            )
+        return bool(cancelled)
+
+
+def run_give_up(*, run_id, now: dt.datetime, reason: str) -> bool:
+    """queued -> failed: reconciliation stops re-publishing a run no worker ever claims."""
+    return bool(
+        _move_runs(
+            [run_id],
+            RunState.FAILED,
+            from_states=[RunState.QUEUED],
+            finished_at=now,
+            failure_reason=reason,
+        )
+    )
+
+
+def run_claim(
+    *,
+    run_id,
+    worker: str,
+    now: dt.datetime,
+    lease_seconds: float,
+    timeout_seconds: float | None = None,
+) -> Attempt | None:
     """queued -> running, with a new attempt holding the next fencing token and a lease.
 
     None when the run is not queued: a duplicate delivery of a run already claimed or
@@ -77,6 +145,7 @@ def run_claim(*, run_id, worker: str, now: dt.datetime, lease_seconds: float) ->
             state=AttemptState.RUNNING,
             worker=worker[:200],
             lease_expires_at=now + dt.timedelta(seconds=lease_seconds),
+            deadline_at=now + dt.timedelta(seconds=timeout_seconds) if timeout_seconds else None,
             heartbeat_at=now,
             started_at=now,
         )
@@ -140,12 +209,14 @@ def attempt_fail(
     error: str,
     retry_at: dt.datetime | None,
     reason: str = FailureReason.EXHAUSTED,
+    attempt_to: str = AttemptState.FAILED,
 ) -> bool:
-    """running -> failed for the attempt; the run waits for a retry at `retry_at`, or fails."""
+    """running -> failed (or timed_out, lost, per `attempt_to`) for the attempt; the run
+    waits for a retry at `retry_at`, or fails with `reason`."""
     if retry_at is not None:
         return _finish(
             attempt,
-            attempt_to=AttemptState.FAILED,
+            attempt_to=attempt_to,
             run_to=RunState.RETRY_WAIT,
             now=now,
             error=error,
@@ -153,7 +224,7 @@ def attempt_fail(
         )
     return _finish(
         attempt,
-        attempt_to=AttemptState.FAILED,
+        attempt_to=attempt_to,
         run_to=RunState.FAILED,
         now=now,
         error=error,
