@@ -20,6 +20,9 @@ class OutboxMessage(models.Model):
     task_name = models.CharField(max_length=200)
     queue = models.CharField(max_length=100)
     priority = models.PositiveSmallIntegerField(default=0)
+    # The job's timeout_seconds: sent as Celery's soft time limit (the hard one a little
+    # later), so the worker stops a handler that overruns.
+    timeout_seconds = models.PositiveIntegerField(null=True, blank=True)
     state = models.CharField(
         max_length=16, choices=OutboxState.choices, default=OutboxState.PENDING
     )

@@ -15,6 +15,7 @@ def outbox_enqueue_runs(*, runs: list[Run], now: dt.datetime) -> list[OutboxMess
             task_name=run.job_version.spec["task"],
             queue=run.job_version.spec["queue"],
             priority=run.job_version.spec["priority"],
+            timeout_seconds=run.job_version.spec.get("timeout_seconds"),
             created_at=now,
         )
         for run in runs

@@ -26,6 +26,9 @@ from .loop import BROKER_ERRORS
 from .models import OutboxMessage, OutboxState
 
 log = logging.getLogger("dispatch.relay")
+# Seconds between Celery's soft time limit (the handler gets SoftTimeLimitExceeded) and its
+# hard one (the pool process is killed; the reaper then records the attempt timed out).
+HARD_TIME_LIMIT_GRACE = 15
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,6 +105,12 @@ class ConfirmingPublisher:
                 message.task_name,
                 args=(),
                 kwargs={"run_id": str(message.run_id)},
+                soft_time_limit=message.timeout_seconds,
+                time_limit=(
+                    message.timeout_seconds + HARD_TIME_LIMIT_GRACE
+                    if message.timeout_seconds
+                    else None
+                ),
             )
             producer.publish(
                 task.body,

@@ -12,32 +12,26 @@ import threading
 import time
 import traceback
 from collections.abc import Callable, Iterator
+from typing import TypeVar
 
-from celery.exceptions import Reject
+from celery.exceptions import SoftTimeLimitExceeded
 from django.db import DatabaseError, InterfaceError, OperationalError, connection, transaction
 
-from jobs.models import Attempt, Run, RunState
-from jobs.retry import retries_left, retry_delay_seconds
-from jobs.services import run_record_duplicate_delivery
-from jobs.transitions import (
-    attempt_fail,
-    attempt_renew_lease,
-    attempt_succeed,
-    run_claim,
-)
+from jobs.models import Attempt, AttemptState, Run, RunState
+from jobs.retry import CAUSE_ERROR, CAUSE_NON_RETRYABLE, CAUSE_TIMEOUT
+from jobs.services import attempt_record_failure, run_record_duplicate_delivery
+from jobs.transitions import attempt_renew_lease, attempt_succeed, run_claim
 
 from .clock import db_now
 from .counters import counter_increment
+from .errors import NonRetryableError, StaleAttempt
 from .models import Effect
 
+T = TypeVar("T")
 log = logging.getLogger("dispatch.runtime")
 # How long a finished attempt keeps trying to record its outcome while the database is down.
 COMPLETION_RETRY_SECONDS = 60.0
 MAX_RESULT_BYTES = 64 * 1024
-
-
-class StaleAttempt(Exception):
-    """This attempt no longer holds the run's current fencing token: it may change nothing."""
 
 
 @dataclasses.dataclass
@@ -77,8 +71,21 @@ class LeaseKeeper:
             return not self.lost.is_set()
         if not renewed and not self.lost.is_set():
             self.lost.set()
-            counter_increment("scheduler_stale_completions_total", labels='kind="heartbeat"')
+            if self._was_cancelled():
+                log.info("run %s was cancelled; the handler is asked to stop", self.attempt.run_id)
+            else:
+                counter_increment("scheduler_stale_completions_total", labels='kind="heartbeat"')
         return renewed
+
+    def _was_cancelled(self) -> bool:
+        """A cancel ends the attempt on purpose: that refusal is not counted as stale."""
+        try:
+            state = (
+                Attempt.objects.filter(id=self.attempt.id).values_list("state", flat=True).first()
+            )
+        except DatabaseError:
+            return False
+        return state == AttemptState.CANCELLED
 
     def _run(self) -> None:
         try:
@@ -109,7 +116,8 @@ class RunContext:
 
     @property
     def cancel_requested(self) -> bool:
-        """True once the handler should stop: its lease is lost (or the run was cancelled)."""
+        """True once the handler should stop: the run was cancelled, or this attempt lost
+        its lease (another attempt may own the run now). Seen at the next heartbeat."""
         return self._keeper.lost.is_set()
 
     @contextlib.contextmanager
@@ -166,7 +174,7 @@ def _without_nul(value):
     return value
 
 
-def _with_database_retries(write: Callable[[], bool]) -> bool:
+def _with_database_retries(write: Callable[[], T]) -> T:
     """Record an outcome through a database outage, for a bounded time."""
     deadline = time.monotonic() + COMPLETION_RETRY_SECONDS
     delay = 0.2
@@ -182,31 +190,52 @@ def _with_database_retries(write: Callable[[], bool]) -> bool:
             delay = min(delay * 2, 5.0)
 
 
+def _claim(*, run_id: str, worker: str) -> tuple[Run | None, Attempt | None]:
+    """Claim the delivered run, retrying through a database outage for a bounded time.
+
+    The message was acknowledged when the pool accepted it (docs/semantics.md), so giving
+    up here loses nothing: the run stays queued and reconciliation publishes it again."""
+
+    def claim() -> tuple[Run | None, Attempt | None]:
+        run = Run.objects.select_related("job_version").filter(id=run_id).first()
+        if run is None:
+            return None, None
+        spec = run.job_version.spec
+        return run, run_claim(
+            run_id=run_id,
+            worker=worker,
+            now=db_now(),
+            lease_seconds=spec["heartbeat_timeout_seconds"],
+            timeout_seconds=spec.get("timeout_seconds"),
+        )
+
+    return _with_database_retries(claim)
+
+
+def _cause(exc: BaseException) -> str:
+    if isinstance(exc, NonRetryableError):
+        return CAUSE_NON_RETRYABLE
+    if isinstance(exc, SoftTimeLimitExceeded):
+        return CAUSE_TIMEOUT
+    return CAUSE_ERROR
+
+
 def run_execute_delivery(*, run_id: str, handler: Callable, worker: str, message_id: str) -> dict:
     """Claim, run and complete one delivered run. Returns a summary for Celery's log."""
     try:
-        run = Run.objects.select_related("job_version").filter(id=run_id).first()
-        spec = run.job_version.spec if run else None
-        attempt = (
-            run_claim(
-                run_id=run_id,
-                worker=worker,
-                now=db_now(),
-                lease_seconds=spec["heartbeat_timeout_seconds"],
-            )
-            if run
-            else None
-        )
-        if attempt is None:
-            run_record_duplicate_delivery(run_id=run_id, worker=worker, message_id=message_id)
-            log.info("refused a duplicate delivery of run %s", run_id)
-            return {"run_id": run_id, "outcome": "refused"}
-    except DatabaseError as exc:
-        # Nothing was claimed: hand the message back to the broker for another try.
-        connection.close()
-        time.sleep(1.0)
-        raise Reject(f"claim of run {run_id} failed: {exc!r}", requeue=True) from exc
+        run, attempt = _claim(run_id=run_id, worker=worker)
+    except (OperationalError, InterfaceError):
+        log.error("could not claim run %s; reconciliation will publish it again", run_id)
+        return {"run_id": run_id, "outcome": "claim_failed"}
+    if attempt is None:
+        if run is not None and run.state == RunState.CANCELLED:
+            log.info("run %s was cancelled before a worker claimed it", run_id)
+            return {"run_id": run_id, "outcome": "cancelled"}
+        run_record_duplicate_delivery(run_id=run_id, worker=worker, message_id=message_id)
+        log.info("refused a duplicate delivery of run %s", run_id)
+        return {"run_id": run_id, "outcome": "refused"}
 
+    spec = run.job_version.spec
     keeper = LeaseKeeper(attempt, spec["heartbeat_timeout_seconds"]).start()
     ctx = RunContext(
         run_id=str(run.id),
@@ -228,28 +257,27 @@ def run_execute_delivery(*, run_id: str, handler: Callable, worker: str, message
     except Exception as exc:  # noqa: BLE001 - every handler error is the attempt's outcome
         keeper.stop()
         error = "".join(traceback.format_exception(exc))[-8000:].replace("\x00", "")
-        retry = retries_left(spec["retry"], attempt_number=attempt.number)
-        outcome = "retry_wait" if retry else "failed"
+        cause = _cause(exc)
 
-        def write() -> bool:
-            now = db_now()
-            retry_at = (
-                now
-                + dt.timedelta(
-                    seconds=retry_delay_seconds(spec["retry"], attempt_number=attempt.number)
-                )
-                if retry
-                else None
+        def write() -> str | None:
+            return attempt_record_failure(
+                attempt=attempt,
+                spec=spec,
+                retry_base=run.retry_base,
+                cause=cause,
+                error=error,
+                now=db_now(),
+                by=f"worker:{worker}",
             )
-            return attempt_fail(attempt=attempt, now=now, error=error, retry_at=retry_at)
     else:
         keeper.stop()
-        outcome = "succeeded"
 
-        def write() -> bool:
-            return attempt_succeed(attempt=attempt, now=db_now(), result=_storable_result(result))
+        def write() -> str | None:
+            won = attempt_succeed(attempt=attempt, now=db_now(), result=_storable_result(result))
+            return RunState.SUCCEEDED if won else None
 
-    if not _with_database_retries(write):
+    outcome = _with_database_retries(write)
+    if outcome is None:
         counter_increment("scheduler_stale_completions_total", labels='kind="completion"')
         log.warning("stale completion of run %s attempt %s refused", run_id, attempt.number)
         outcome = "stale"

@@ -88,6 +88,20 @@ def run_cancel(*, run_id, now: dt.datetime) -> bool:
         return bool(cancelled)
 
 
+def run_end_orphan(
+    *, run_id, token: int, now: dt.datetime, retry_at: dt.datetime | None, reason: str
+) -> bool:
+    """running -> retry_wait (or failed) for a run left without a live attempt, while
+    `token` is still its current fencing token."""
+    if retry_at is not None:
+        return bool(
+            _move_runs([run_id], RunState.RETRY_WAIT, token=token, next_attempt_at=retry_at)
+        )
+    return bool(
+        _move_runs([run_id], RunState.FAILED, token=token, finished_at=now, failure_reason=reason)
+    )
+
+
 def run_give_up(*, run_id, now: dt.datetime, reason: str) -> bool:
     """queued -> failed: reconciliation stops re-publishing a run no worker ever claims."""
     return bool(

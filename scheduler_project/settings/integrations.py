@@ -25,9 +25,11 @@ CELERY_TASK_QUEUES = [
 CELERY_TASK_CREATE_MISSING_QUEUES = True
 CELERY_TASK_CREATE_MISSING_QUEUE_TYPE = SCHEDULER_QUEUE_TYPE
 
-CELERY_TASK_ACKS_LATE = True
-CELERY_TASK_REJECT_ON_WORKER_LOST = True
-CELERY_TASK_ACKS_ON_FAILURE_OR_TIMEOUT = True
+# Early acknowledgement: a delivery is acked when a pool process takes it, and from then on
+# the attempt's lease in PostgreSQL owns recovery (reaper), as does reconciliation for the
+# short gap before the claim. No delivery stays unacked for the length of a run, so runs
+# outlive RabbitMQ's consumer_timeout (docs/semantics.md, docs/celery-settings.md).
+CELERY_TASK_ACKS_LATE = False
 CELERY_WORKER_PREFETCH_MULTIPLIER = 1
 # False: the claim and the fencing token already make a redelivered copy harmless, and
 # cancelling would strand the attempt that is doing the work (docs/celery-settings.md).

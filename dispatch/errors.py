@@ -1,0 +1,10 @@
+"""Exceptions a handler may raise or meet; importable before Django's apps are ready."""
+
+
+class StaleAttempt(Exception):
+    """This attempt no longer holds the run's current fencing token: it may change nothing."""
+
+
+class NonRetryableError(Exception):
+    """Raised by a handler for a failure that another attempt cannot fix (bad input, a
+    permanent refusal): the run fails at once with `failure_reason: error`, no retry."""

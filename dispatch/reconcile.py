@@ -1,0 +1,209 @@
+"""Reconciliation: finds runs that the normal path should have moved but did not, repairs
+them, and counts and records every repair in the run's history.
+
+- A run `queued` whose message was published long ago but that no worker claimed (the
+  message was lost in the broker, or discarded by a worker that does not know the task):
+  published again; after `max_republish` tries it fails as `undeliverable`.
+- A run `running` without a running attempt holding its token (only a bug or a hand edit
+  makes one): treated like a lost attempt, retried or failed by the job's policy.
+- Outbox rows pending too long: the relay keeps retrying them; here they are alarmed.
+
+Every repair is one conditional update on rows claimed with FOR UPDATE SKIP LOCKED, so any
+number of replicas may run it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+import logging
+from collections.abc import Callable
+
+from django.db import transaction
+from django.db.models import Exists, F, OuterRef, Q, Subquery
+
+from jobs.models import Attempt, AttemptState, AuditEvent, Run, RunState
+from jobs.retry import CAUSE_LOST, failure_outcome
+from jobs.transitions import run_end_orphan, run_give_up
+
+from .counters import counter_increment
+from .models import OutboxMessage, OutboxState
+from .outbox import outbox_enqueue_runs
+
+log = logging.getLogger("dispatch.reconcile")
+
+# queue name -> ready messages in it, or None when the broker cannot tell.
+QueueDepth = Callable[[str], "int | None"]
+
+
+@dataclasses.dataclass(frozen=True)
+class ReconcileConfig:
+    batch_size: int = 200
+    poll_interval: float = 5.0
+    # A published run with no attempt after this long is presumed lost in the broker. While
+    # its queue still holds ready messages it may only be waiting, and is left alone.
+    queued_after_seconds: float = 300.0
+    max_republish: int = 5
+    running_orphan_after_seconds: float = 30.0
+    outbox_alarm_after_seconds: float = 60.0
+
+
+@dataclasses.dataclass(frozen=True)
+class ReconcileResult:
+    republished: int = 0
+    undeliverable: int = 0
+    orphans_repaired: int = 0
+    outbox_stuck: int = 0
+
+
+def reconcile_run_once(
+    *, now: dt.datetime, config: ReconcileConfig, queue_depth: QueueDepth
+) -> ReconcileResult:
+    with transaction.atomic():
+        republished, undeliverable = _republish_lost_messages(
+            now=now, config=config, queue_depth=queue_depth
+        )
+    with transaction.atomic():
+        orphans = _repair_orphaned_running(now=now, config=config)
+    stuck = _alarm_stuck_outbox(now=now, config=config)
+    return ReconcileResult(
+        republished=republished,
+        undeliverable=undeliverable,
+        orphans_repaired=orphans,
+        outbox_stuck=stuck,
+    )
+
+
+def _record(run: Run, *, action: str, kind: str, data: dict) -> None:
+    AuditEvent.objects.create(
+        actor_label="system:reconciler", action=action, job_id=run.job_id, run=run, data=data
+    )
+    counter_increment("scheduler_reconcile_repairs_total", labels=f'kind="{kind}"')
+
+
+def _republish_lost_messages(
+    *, now: dt.datetime, config: ReconcileConfig, queue_depth: QueueDepth
+) -> tuple[int, int]:
+    latest = OutboxMessage.objects.filter(run=OuterRef("pk")).order_by("-id")
+    candidates = list(
+        Run.objects.select_for_update(skip_locked=True, of=("self",))
+        .select_related("job_version")
+        .filter(state=RunState.QUEUED)
+        .annotate(
+            last_message_state=Subquery(latest.values("state")[:1]),
+            last_published_at=Subquery(latest.values("published_at")[:1]),
+        )
+        .filter(
+            Q(last_message_state__isnull=True)
+            | Q(
+                last_message_state=OutboxState.PUBLISHED,
+                last_published_at__lt=now - dt.timedelta(seconds=config.queued_after_seconds),
+            )
+        )
+        .order_by("created_at")[: config.batch_size]
+    )
+    depths: dict[str, int | None] = {}
+    republished = undeliverable = 0
+    for run in candidates:
+        queue = run.job_version.spec["queue"]
+        if queue not in depths:
+            depths[queue] = queue_depth(queue)
+        if depths[queue] is None or depths[queue] > 0:
+            continue  # the broker cannot tell, or the message may still be waiting in line
+        if run.republish_count >= config.max_republish:
+            if run_give_up(run_id=run.id, now=now, reason="undeliverable"):
+                undeliverable += 1
+                _record(run, action="run.undeliverable", kind="undeliverable",
+                        data={"republished": run.republish_count})  # fmt: skip
+            continue
+        if not Run.objects.filter(id=run.id, state=RunState.QUEUED).update(
+            republish_count=F("republish_count") + 1
+        ):
+            continue
+        outbox_enqueue_runs(runs=[run], now=now)
+        republished += 1
+        _record(run, action="run.republished", kind="republished",
+                data={"last_published_at": run.last_published_at.isoformat()
+                      if run.last_published_at else None,
+                      "republish": run.republish_count + 1})  # fmt: skip
+        log.warning("run %s was published but never claimed; published it again", run.id)
+    return republished, undeliverable
+
+
+def _repair_orphaned_running(*, now: dt.datetime, config: ReconcileConfig) -> int:
+    live = Attempt.objects.filter(
+        run=OuterRef("pk"), state=AttemptState.RUNNING, fencing_token=OuterRef("fencing_token")
+    )
+    orphans = list(
+        Run.objects.select_for_update(skip_locked=True, of=("self",))
+        .select_related("job_version")
+        .filter(
+            state=RunState.RUNNING,
+            updated_at__lt=now - dt.timedelta(seconds=config.running_orphan_after_seconds),
+        )
+        .filter(~Exists(live))[: config.batch_size]
+    )
+    repaired = 0
+    for run in orphans:
+        delay, reason = failure_outcome(
+            run.job_version.spec,
+            attempt_number=run.attempt_count,
+            retry_base=run.retry_base,
+            cause=CAUSE_LOST,
+        )
+        retry_at = now + dt.timedelta(seconds=delay) if delay is not None else None
+        if run_end_orphan(run_id=run.id, token=run.fencing_token, now=now, retry_at=retry_at,
+                          reason=reason):  # fmt: skip
+            repaired += 1
+            _record(run, action="run.orphan_repaired", kind="orphaned_running",
+                    data={"fencing_token": run.fencing_token,
+                          "to": "retry_wait" if retry_at else "failed"})  # fmt: skip
+            log.error("run %s was running without a live attempt; repaired", run.id)
+    return repaired
+
+
+def _alarm_stuck_outbox(*, now: dt.datetime, config: ReconcileConfig) -> int:
+    """Pending rows older than the alarm threshold: logged at ERROR (and so to Sentry), and
+    exported as scheduler_outbox_oldest_pending_seconds. The relay keeps retrying them."""
+    stuck = OutboxMessage.objects.filter(
+        state=OutboxState.PENDING,
+        created_at__lt=now - dt.timedelta(seconds=config.outbox_alarm_after_seconds),
+    )
+    count = stuck.count()
+    if count:
+        worst = stuck.order_by("created_at").values("publish_tries", "last_error").first()
+        log.error(
+            "%d outbox rows pending for over %.0fs (tries %s, last error %s)",
+            count,
+            config.outbox_alarm_after_seconds,
+            worst["publish_tries"],
+            worst["last_error"][:300],
+        )
+    return count
+
+
+class BrokerQueueDepth:
+    """Ready messages in a queue, asked of the broker with a passive declare; None when the
+    broker cannot be reached (then nothing is re-published: it could not be sent anyway)."""
+
+    def __init__(self, broker_url: str, transport_options: dict) -> None:
+        from kombu import Connection
+
+        self.connection = Connection(broker_url, transport_options=transport_options)
+
+    def __call__(self, queue: str) -> int | None:
+        from .loop import BROKER_ERRORS
+
+        try:
+            self.connection.ensure_connection(max_retries=1)
+            with self.connection.channel() as channel:
+                return channel.queue_declare(queue=queue, passive=True).message_count
+        except BROKER_ERRORS as exc:
+            if "NOT_FOUND" in str(exc) or "404" in str(exc):
+                return 0  # no such queue: nothing can be waiting in it
+            log.warning("could not read the depth of queue %s: %r", queue, exc)
+            self.connection = self.connection.clone()
+            return None
+
+    def close(self) -> None:
+        self.connection.release()
