@@ -66,23 +66,47 @@ class Stack:
             "DJANGO_SETTINGS_MODULE": "scheduler_project.settings.base",
             "DATABASE_URL": test_database_url(),
             "CELERY_BROKER_URL": settings.CELERY_BROKER_URL,
-            "SCHEDULER_TASK_MODULES": "tests.sample_tasks",
+            "SCHEDULER_TASK_MODULES": "tests.sample_tasks,tests.fault_tasks",
             "SAMPLE_TASK_RECORD": str(self.record),
             "SCHEDULER_VAR_DIR": str(workdir / "var"),
             "PYTHONUNBUFFERED": "1",
             **(extra_env or {}),
         }
         self.processes: dict[str, subprocess.Popen] = {}
+        self.commands: dict[str, tuple[list[str], dict[str, str]]] = {}
 
     def start(
         self, name: str, argv: list[str], env: dict[str, str] | None = None
     ) -> subprocess.Popen:
         log = open(self.workdir / f"{name}.log", "ab")  # noqa: SIM115 - closed with the process
+        # Its own session: a signal to the process group reaches a worker's pool children too.
         process = subprocess.Popen(
-            argv, cwd=ROOT, env={**self.env, **(env or {})}, stdout=log, stderr=subprocess.STDOUT
+            argv,
+            cwd=ROOT,
+            env={**self.env, **(env or {})},
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
         )
         self.processes[name] = process
+        self.commands[name] = (argv, env or {})
         return process
+
+    def signal_group(self, name: str, sig: int) -> None:
+        """Send `sig` to the process and its children (a worker's pool processes)."""
+        process = self.processes[name]
+        if process.poll() is None:
+            os.killpg(process.pid, sig)
+
+    def kill(self, name: str) -> None:
+        """SIGKILL the process and its children, as an OOM killer or a lost host would."""
+        self.signal_group(name, signal.SIGKILL)
+        self.processes[name].wait(timeout=30)
+
+    def restart(self, name: str) -> subprocess.Popen:
+        """Start a process again with the command line it was first started with."""
+        argv, env = self.commands[name]
+        return self.start(name, argv, env)
 
     def scheduler(self, name: str = "scheduler", *args: str, **env: str) -> subprocess.Popen:
         return self.start(
@@ -121,8 +145,13 @@ class Stack:
             try:
                 process.wait(timeout=timeout)
             except subprocess.TimeoutExpired:
-                process.kill()
+                self.signal_group(name, signal.SIGKILL)
                 process.wait()
+        # A stopped (SIGSTOP) or orphaned child must not outlive the test.
+        try:
+            os.killpg(process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
         return process.returncode
 
     def stop_all(self) -> None:

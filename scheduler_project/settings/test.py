@@ -9,7 +9,7 @@ TEST_RABBITMQ_VHOST = None
 if "CELERY_BROKER_URL" not in os.environ:
     TEST_RABBITMQ_VHOST = f"scheduler_test_{os.getpid()}"
     os.environ["CELERY_BROKER_URL"] = f"amqp://guest:guest@127.0.0.1:5672/{TEST_RABBITMQ_VHOST}"
-os.environ.setdefault("SCHEDULER_TASK_MODULES", "tests.sample_tasks")
+os.environ.setdefault("SCHEDULER_TASK_MODULES", "tests.sample_tasks,tests.fault_tasks")
 
 from .base import *  # noqa: E402,F403
 from .base import DATABASES  # noqa: E402

@@ -1,0 +1,387 @@
+"""The reaper in process (dispatch.reaper): expired leases end `lost`, overrun deadlines end
+`timed_out`, each by the fenced transition a worker's own completion uses. Clocks are
+pinned; two reapers race on the same rows in the one transactional test."""
+
+from __future__ import annotations
+
+import datetime as dt
+import threading
+import time
+
+import pytest
+from django.db import connection, transaction
+
+from dispatch.models import Counter, OutboxMessage, OutboxState
+from dispatch.reaper import ReaperConfig, ReaperResult, reaper_run_once
+from dispatch.runtime import LeaseKeeper
+from dispatch.scheduler import SchedulerConfig, scheduler_run_once
+from jobs.models import Attempt, AttemptState, AuditEvent, Run, RunState
+from jobs.retry import CAUSE_ERROR
+from jobs.services import attempt_record_failure, run_replay_request
+from jobs.transitions import attempt_renew_lease, attempt_succeed, run_claim
+
+NOW = dt.datetime(2030, 1, 1, 12, 0, tzinfo=dt.UTC)
+LEASE = 30.0
+CONFIG = ReaperConfig()
+NO_JITTER = {"initial_delay_seconds": 10, "backoff_factor": 2.0, "jitter": False}
+
+
+def later(seconds: float) -> dt.datetime:
+    return NOW + dt.timedelta(seconds=seconds)
+
+
+def counter(name: str, labels: str = "") -> int:
+    return sum(Counter.objects.filter(name=name, labels=labels).values_list("value", flat=True))
+
+
+def snapshot(run_id) -> tuple[dict, list[dict]]:
+    """Everything the run and its attempts hold, to show that nothing changed."""
+    return (
+        Run.objects.filter(id=run_id).values().get(),
+        list(Attempt.objects.filter(run_id=run_id).order_by("number").values()),
+    )
+
+
+@pytest.fixture
+def queued_run(make_job):
+    """make(**job_overrides): a one-time job due at NOW, materialized by the scheduler."""
+
+    def make(**overrides) -> Run:
+        job = make_job(
+            now=NOW - dt.timedelta(minutes=1),
+            schedule={"kind": "once", "run_at": NOW.isoformat()},
+            **overrides,
+        )
+        scheduler_run_once(now=NOW, config=SchedulerConfig())
+        return Run.objects.get(job=job)
+
+    return make
+
+
+def claim(run: Run, *, at: dt.datetime, timeout: float | None = None) -> Attempt:
+    attempt = run_claim(
+        run_id=run.id, worker="worker-a", now=at, lease_seconds=LEASE, timeout_seconds=timeout
+    )
+    assert attempt is not None
+    return attempt
+
+
+# --- lost leases -----------------------------------------------------------------------
+
+
+def test_an_expired_lease_is_lost_and_the_run_waits_for_its_retry(queued_run):
+    run = queued_run(retry={"max_attempts": 3, **NO_JITTER})
+    expired = claim(run, at=NOW)  # lease until NOW + 30
+    live_run = queued_run()
+    live = claim(live_run, at=later(20))  # lease until NOW + 50
+    live_before = snapshot(live_run.id)
+
+    # At the instant of expiry the lease still holds.
+    assert reaper_run_once(now=later(LEASE), config=CONFIG) == ReaperResult(0, 0, False)
+    assert Attempt.objects.get(id=expired.id).state == AttemptState.RUNNING
+
+    result = reaper_run_once(now=later(31), config=CONFIG)
+
+    assert result == ReaperResult(lost=1, timed_out=0, batch_full=False)
+    expired.refresh_from_db()
+    assert (expired.state, expired.finished_at) == (AttemptState.LOST, later(31))
+    assert "lease expired" in expired.error
+    run.refresh_from_db()
+    assert (run.state, run.next_attempt_at) == (RunState.RETRY_WAIT, later(31 + 10))
+    assert (run.finished_at, run.failure_reason, run.fencing_token) == (None, "", 1)
+    assert counter("scheduler_lease_expired_total") == 1
+    event = AuditEvent.objects.get(run=run, action="attempt.lost")
+    assert event.actor_label == "system:reaper"
+    assert event.data == {
+        "attempt": 1,
+        "fencing_token": 1,
+        "retry_at": later(41).isoformat(),
+        "failure_reason": "",
+    }
+    # The attempt whose lease is still valid is untouched.
+    assert snapshot(live_run.id) == live_before
+    assert not AuditEvent.objects.filter(run=live_run).exists()
+    assert Attempt.objects.get(id=live.id).state == AttemptState.RUNNING
+
+
+def test_a_lost_attempt_with_no_retry_left_fails_the_run_as_lost(queued_run):
+    run = queued_run(retry={"max_attempts": 1})
+    attempt = claim(run, at=NOW)
+
+    assert reaper_run_once(now=later(31), config=CONFIG).lost == 1
+
+    run.refresh_from_db()
+    assert (run.state, run.failure_reason, run.finished_at) == (
+        RunState.FAILED,
+        "lost",
+        later(31),
+    )
+    assert run.next_attempt_at is None
+    assert Attempt.objects.get(id=attempt.id).state == AttemptState.LOST
+    assert AuditEvent.objects.get(run=run, action="attempt.lost").data["failure_reason"] == "lost"
+    assert counter("scheduler_lease_expired_total") == 1
+
+
+def test_an_at_most_once_run_fails_with_an_unknown_outcome_even_with_attempts_left(queued_run):
+    run = queued_run(delivery="at_most_once", retry={"max_attempts": 3})
+    attempt = claim(run, at=NOW)
+
+    assert reaper_run_once(now=later(31), config=CONFIG).lost == 1
+
+    run.refresh_from_db()
+    assert (run.state, run.failure_reason) == (RunState.FAILED, "outcome_unknown")
+    assert run.next_attempt_at is None
+    assert Attempt.objects.get(id=attempt.id).state == AttemptState.LOST
+    # Nothing was re-queued for another attempt.
+    assert scheduler_run_once(now=later(10_000), config=SchedulerConfig()).retries_queued == 0
+    assert Run.objects.get(id=run.id).state == RunState.FAILED
+
+
+# --- overrun deadlines -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("max_attempts", "run_state", "reason"),
+    [(3, RunState.RETRY_WAIT, ""), (1, RunState.FAILED, "timeout")],
+    ids=["retries", "no-attempt-left"],
+)
+def test_an_attempt_past_its_deadline_and_grace_times_out_while_its_lease_holds(
+    queued_run, max_attempts, run_state, reason
+):
+    run = queued_run(retry={"max_attempts": max_attempts, **NO_JITTER})
+    attempt = claim(run, at=NOW, timeout=10)  # deadline NOW + 10
+    grace = CONFIG.deadline_grace_seconds
+    # The worker keeps renewing: its lease outlives deadline + grace.
+    assert attempt_renew_lease(attempt=attempt, now=later(25), lease_seconds=LEASE + grace)
+    assert Attempt.objects.get(id=attempt.id).lease_expires_at > later(10 + grace + 1)
+
+    # Past the deadline but within the grace the worker's own time limits get: untouched.
+    assert reaper_run_once(now=later(10 + grace), config=CONFIG) == ReaperResult(0, 0, False)
+    assert Attempt.objects.get(id=attempt.id).state == AttemptState.RUNNING
+
+    result = reaper_run_once(now=later(10 + grace + 1), config=CONFIG)
+
+    assert result == ReaperResult(lost=0, timed_out=1, batch_full=False)
+    attempt.refresh_from_db()
+    assert (attempt.state, attempt.finished_at) == (AttemptState.TIMED_OUT, later(11 + grace))
+    assert "deadline" in attempt.error
+    run.refresh_from_db()
+    assert (run.state, run.failure_reason) == (run_state, reason)
+    if run_state == RunState.RETRY_WAIT:
+        assert run.next_attempt_at == later(11 + grace + 10)
+    else:
+        assert (run.next_attempt_at, run.finished_at) == (None, later(11 + grace))
+    assert AuditEvent.objects.filter(run=run, action="attempt.timed_out").count() == 1
+    # A timeout is not a lost lease.
+    assert counter("scheduler_lease_expired_total") == 0
+
+
+# --- the worker that comes back --------------------------------------------------------
+
+
+def test_the_original_worker_is_refused_after_the_reaper_and_the_retry_takes_token_two(
+    queued_run,
+):
+    run = queued_run(retry={"max_attempts": 3, **NO_JITTER})
+    old = claim(run, at=NOW)
+    assert reaper_run_once(now=later(31), config=CONFIG).lost == 1
+    before = snapshot(run.id)
+
+    assert attempt_succeed(attempt=old, now=later(32), result={"late": True}) is False
+    assert attempt_renew_lease(attempt=old, now=later(32), lease_seconds=LEASE) is False
+    assert (
+        attempt_record_failure(
+            attempt=old,
+            spec=run.job_version.spec,
+            retry_base=0,
+            cause=CAUSE_ERROR,
+            error="late",
+            now=later(32),
+            by="worker:worker-a",
+        )
+        is None
+    )
+    keeper = LeaseKeeper(old, LEASE)
+    assert keeper.renew() is False
+    assert keeper.lost.is_set()
+    assert snapshot(run.id) == before
+    # Refused for staleness, not a cancel: counted.
+    assert counter("scheduler_stale_completions_total", 'kind="heartbeat"') == 1
+
+    # The retry promoter re-queues the run when due (not before), with a new outbox row.
+    assert scheduler_run_once(now=later(40), config=SchedulerConfig()).retries_queued == 0
+    assert scheduler_run_once(now=later(41), config=SchedulerConfig()).retries_queued == 1
+    run.refresh_from_db()
+    assert (run.state, run.next_attempt_at) == (RunState.QUEUED, None)
+    assert OutboxMessage.objects.filter(run=run, state=OutboxState.PENDING).count() == 2
+
+    second = run_claim(run_id=run.id, worker="worker-b", now=later(42), lease_seconds=LEASE)
+    assert (second.number, second.fencing_token) == (2, 2)
+    # The old attempt object is still refused; the new one completes the run.
+    assert attempt_succeed(attempt=old, now=later(43)) is False
+    assert attempt_succeed(attempt=second, now=later(44), result={"ok": True}) is True
+    run.refresh_from_db()
+    assert (run.state, run.result, run.fencing_token) == (RunState.SUCCEEDED, {"ok": True}, 2)
+    assert Attempt.objects.get(id=old.id).state == AttemptState.LOST
+
+
+# --- replicas --------------------------------------------------------------------------
+
+
+@pytest.mark.django_db(transaction=True)
+def test_two_reapers_at_once_end_each_of_50_expired_attempts_exactly_once(make_job):
+    count = 50
+    for index in range(count):
+        make_job(
+            now=NOW - dt.timedelta(minutes=1),
+            name=f"reaped {index}",
+            schedule={"kind": "once", "run_at": NOW.isoformat()},
+        )
+    assert scheduler_run_once(now=NOW, config=SchedulerConfig()).runs_created == count
+    for run in Run.objects.all():
+        claim(run, at=NOW)
+
+    barrier = threading.Barrier(2)
+    totals: list[int] = []
+    errors: list[BaseException] = []
+
+    def reap() -> None:
+        lost = 0
+        try:
+            barrier.wait(timeout=10)
+            # Small batches, so the two replicas interleave over the same rows.
+            config = ReaperConfig(batch_size=5)
+            for _ in range(1000):
+                lost += reaper_run_once(now=later(60), config=config).lost
+                if not Attempt.objects.filter(state=AttemptState.RUNNING).exists():
+                    break
+        except BaseException as exc:  # noqa: BLE001 - reported by the test below
+            errors.append(exc)
+        finally:
+            totals.append(lost)
+            connection.close()
+
+    threads = [threading.Thread(target=reap) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert not any(thread.is_alive() for thread in threads)
+
+    assert errors == []
+    assert sum(totals) == count
+    assert counter("scheduler_lease_expired_total") == count
+    assert Attempt.objects.filter(state=AttemptState.LOST).count() == count
+    assert Attempt.objects.count() == count
+    assert Run.objects.filter(state=RunState.RETRY_WAIT).count() == count
+    assert AuditEvent.objects.filter(action="attempt.lost").count() == count
+    assert AuditEvent.objects.filter(action="attempt.lost").values("run").distinct().count() == (
+        count
+    )
+
+
+# --- operator replay -------------------------------------------------------------------
+
+
+def test_a_replay_after_exhausting_grants_a_fresh_retry_budget(queued_run, user):
+    run = queued_run(retry={"max_attempts": 2, **NO_JITTER})
+    claim(run, at=NOW)
+    assert reaper_run_once(now=later(31), config=CONFIG).lost == 1
+    assert scheduler_run_once(now=later(41), config=SchedulerConfig()).retries_queued == 1
+    claim(run, at=later(41))
+    assert reaper_run_once(now=later(72), config=CONFIG).lost == 1
+    run.refresh_from_db()
+    assert (run.state, run.failure_reason, run.attempt_count) == (RunState.FAILED, "lost", 2)
+
+    assert run_replay_request(run=run, actor=user, now=later(100)) is True
+
+    run.refresh_from_db()
+    assert (run.state, run.retry_base, run.failure_reason) == (RunState.QUEUED, 2, "")
+    third = claim(run, at=later(100))
+    assert (third.number, third.fencing_token) == (3, 3)
+    assert reaper_run_once(now=later(131), config=CONFIG).lost == 1
+    run.refresh_from_db()
+    # Without the fresh budget, attempt 3 of max_attempts 2 would fail the run.
+    assert (run.state, run.next_attempt_at) == (RunState.RETRY_WAIT, later(141))
+    # ...and the fresh budget is max_attempts again, no more.
+    assert scheduler_run_once(now=later(141), config=SchedulerConfig()).retries_queued == 1
+    claim(run, at=later(141))
+    assert reaper_run_once(now=later(172), config=CONFIG).lost == 1
+    run.refresh_from_db()
+    assert (run.state, run.failure_reason, run.attempt_count) == (RunState.FAILED, "lost", 4)
+
+
+def _backends_waiting_on_locks() -> int:
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT count(*) FROM pg_stat_activity"
+            " WHERE datname = current_database() AND wait_event_type = 'Lock'"
+        )
+        return cursor.fetchone()[0]
+
+
+def _wait_for_waiting_backends(count: int) -> None:
+    deadline = time.monotonic() + 10
+    while _backends_waiting_on_locks() < count:
+        assert time.monotonic() < deadline, f"{count} backends never waited on a lock"
+        time.sleep(0.02)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason=(
+        "BUG: lock-order inversion: the reaper (and a worker's completion, both via "
+        "transitions._finish) lock the attempt row, then the run row; run_cancel locks the run "
+        "row, then the attempt row. A cancel of a run whose attempt is in the reaper's batch "
+        "deadlocks, and PostgreSQL aborts one of them"
+    ),
+)
+@pytest.mark.django_db(transaction=True)
+def test_a_cancel_racing_the_reaper_over_the_same_attempt_does_not_deadlock(queued_run, user):
+    from jobs.services import run_cancel_request
+
+    first, second = queued_run(), queued_run()
+    claim(first, at=NOW)
+    claim(second, at=later(1))  # the reaper's batch is ordered by lease expiry: first, second
+    held, release = threading.Event(), threading.Event()
+    errors: list[BaseException] = []
+
+    def hold_first_run() -> None:
+        # Only timing: keeps the reaper inside its batch, holding the second attempt's lock.
+        try:
+            with transaction.atomic():
+                Run.objects.select_for_update().get(id=first.id)
+                held.set()
+                release.wait(timeout=10)
+        finally:
+            connection.close()
+
+    def in_thread(call) -> threading.Thread:
+        def target() -> None:
+            try:
+                call()
+            except BaseException as exc:  # noqa: BLE001 - reported by the test below
+                errors.append(exc)
+            finally:
+                connection.close()
+
+        thread = threading.Thread(target=target)
+        thread.start()
+        return thread
+
+    holder = threading.Thread(target=hold_first_run)
+    holder.start()
+    assert held.wait(timeout=10)
+    reaper = in_thread(lambda: reaper_run_once(now=later(60), config=CONFIG))
+    _wait_for_waiting_backends(1)  # the reaper waits for the first run's row
+    canceller = in_thread(
+        lambda: run_cancel_request(run=Run.objects.get(id=second.id), actor=user, now=later(61))
+    )
+    _wait_for_waiting_backends(2)  # the cancel waits for the second attempt's row
+    release.set()
+    for thread in (holder, reaper, canceller):
+        thread.join(timeout=30)
+
+    assert errors == []
+    assert Run.objects.get(id=first.id).state == RunState.RETRY_WAIT
+    assert Run.objects.get(id=second.id).state == RunState.CANCELLED

@@ -1,0 +1,84 @@
+"""Tasks the fault-injection suite schedules. Like tests.sample_tasks, each writes lines to
+the handler's own record file; the ledger effects also bump a per-run durable counter in
+the effect's transaction, so that the invariant checker can count committed effects."""
+
+import os
+import signal
+import time
+
+from dispatch import job_task
+from dispatch.counters import counter_increment
+from tests.sample_tasks import _record
+
+EFFECT_COUNTER = "test_effect_commits"
+
+
+def effect_labels(run_id) -> str:
+    return f'run="{run_id}"'
+
+
+def _commit_effect(ctx, name: str) -> bool:
+    """The ledger effect: the counter row commits with the ledger row, or not at all."""
+    with ctx.effect(name) as effect:
+        if effect.done:
+            return False
+        counter_increment(EFFECT_COUNTER, labels=effect_labels(ctx.run_id))
+    _record(ctx, "effect", name=name)
+    return True
+
+
+def _busy(ctx, seconds: float, *, heartbeat: bool) -> None:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if heartbeat:
+            ctx.heartbeat()
+        time.sleep(0.1)
+
+
+@job_task(name="faults.work")
+def work(ctx, seconds=0.3):
+    """Works a while, commits one ledger effect, returns."""
+    _record(ctx, "started", pid=os.getpid())
+    _busy(ctx, seconds, heartbeat=True)
+    _commit_effect(ctx, "work")
+    _record(ctx, "executed")
+    return {"ok": True}
+
+
+@job_task(name="faults.oblivious")
+def oblivious(ctx, seconds=5.0):
+    """Ignores cancel_requested (a handler deep in a call), then commits its effect."""
+    _record(ctx, "started", pid=os.getpid())
+    _busy(ctx, seconds, heartbeat=False)
+    _commit_effect(ctx, "work")
+    _record(ctx, "executed")
+    return {"ok": True}
+
+
+@job_task(name="faults.poison")
+def poison(ctx):
+    """Kills its own worker process every time, as a segfaulting C extension would."""
+    _record(ctx, "started", pid=os.getpid())
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+@job_task(name="faults.until_cancelled")
+def until_cancelled(ctx, limit=60.0):
+    """Heartbeats until the run is cancelled, then tries its effect anyway."""
+    _record(ctx, "started", pid=os.getpid())
+    deadline = time.monotonic() + limit
+    while not ctx.cancel_requested and time.monotonic() < deadline:
+        ctx.heartbeat()
+        time.sleep(0.1)
+    _record(ctx, "saw_cancel", cancel_requested=ctx.cancel_requested)
+    _commit_effect(ctx, "work")
+    return {"ok": True}
+
+
+@job_task(name="faults.overrun")
+def overrun(ctx, seconds=30.0):
+    """Runs past its timeout, heartbeating, unless stopped."""
+    _record(ctx, "started", pid=os.getpid())
+    _busy(ctx, seconds, heartbeat=True)
+    _record(ctx, "executed")
+    return {"ok": True}
