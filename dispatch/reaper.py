@@ -1,9 +1,11 @@
 """The reaper: ends attempts whose worker stopped renewing the lease, or that overran their
 timeout, and retries or fails their runs by the job's policy.
 
-`reaper_run_once` claims expired attempts with FOR UPDATE SKIP LOCKED, so any number of
-replicas may run it; each attempt is ended by the same fenced transition a worker's own
-completion uses, so a worker that comes back late finds its token stale and changes nothing.
+`reaper_run_once` reads a batch of expired attempts and ends each in its own short
+transaction, by the same fenced conditional update a worker's own completion uses: when
+two reapers (or a reaper and a late worker) race for one attempt, exactly one wins and the
+other changes nothing. No lock is held across the batch, so a cancel or a completion of
+another attempt never waits for (or deadlocks against) a whole reaper batch.
 """
 
 from __future__ import annotations
@@ -12,7 +14,6 @@ import dataclasses
 import datetime as dt
 import logging
 
-from django.db import transaction
 from django.db.models import Q
 
 from jobs.models import Attempt, AttemptState
@@ -42,49 +43,50 @@ class ReaperResult:
 
 def reaper_run_once(*, now: dt.datetime, config: ReaperConfig) -> ReaperResult:
     lost = timed_out = 0
-    with transaction.atomic():
-        overdue = Q(deadline_at__lt=now - dt.timedelta(seconds=config.deadline_grace_seconds))
-        attempts = list(
-            Attempt.objects.select_for_update(skip_locked=True, of=("self",))
-            .select_related("run__job_version")
-            .filter(state=AttemptState.RUNNING)
-            .filter(Q(lease_expires_at__lt=now) | overdue)
-            .order_by("lease_expires_at")[: config.batch_size]
+    overdue = Q(deadline_at__lt=now - dt.timedelta(seconds=config.deadline_grace_seconds))
+    expired = Q(lease_expires_at__lt=now) | overdue
+    attempts = list(
+        Attempt.objects.select_related("run__job_version")
+        .filter(state=AttemptState.RUNNING)
+        .filter(expired)
+        .order_by("lease_expires_at")[: config.batch_size]
+    )
+    for attempt in attempts:
+        # Past its deadline the attempt timed out, whether or not its worker still lives.
+        cause = (
+            CAUSE_TIMEOUT
+            if attempt.deadline_at is not None and attempt.deadline_at <= now
+            else CAUSE_LOST
         )
-        for attempt in attempts:
-            # Past its deadline the attempt timed out, whether or not its worker still lives.
-            cause = (
-                CAUSE_TIMEOUT
-                if attempt.deadline_at is not None and attempt.deadline_at <= now
-                else CAUSE_LOST
-            )
-            run = attempt.run
-            outcome = attempt_record_failure(
-                attempt=attempt,
-                spec=run.job_version.spec,
-                retry_base=run.retry_base,
-                cause=cause,
-                error=(
-                    f"lease expired at {attempt.lease_expires_at.isoformat()}"
-                    if cause == CAUSE_LOST
-                    else f"ran past its deadline {attempt.deadline_at.isoformat()}"
-                ),
-                now=now,
-                by="reaper",
-            )
-            if outcome is None:
-                continue
-            log.warning(
-                "attempt %s of run %s %s; run is now %s",
-                attempt.number,
-                run.id,
-                "timed out" if cause == CAUSE_TIMEOUT else "lost its lease",
-                outcome,
-            )
-            if cause == CAUSE_TIMEOUT:
-                timed_out += 1
-            else:
-                lost += 1
+        run = attempt.run
+        outcome = attempt_record_failure(
+            attempt=attempt,
+            spec=run.job_version.spec,
+            retry_base=run.retry_base,
+            cause=cause,
+            error=(
+                f"lease expired at {attempt.lease_expires_at.isoformat()}"
+                if cause == CAUSE_LOST
+                else f"ran past its deadline {attempt.deadline_at.isoformat()}"
+            ),
+            now=now,
+            by="reaper",
+            # Still expired when ended: a lease renewed since the read above wins.
+            only_if=expired,
+        )
+        if outcome is None:
+            continue
+        log.warning(
+            "attempt %s of run %s %s; run is now %s",
+            attempt.number,
+            run.id,
+            "timed out" if cause == CAUSE_TIMEOUT else "lost its lease",
+            outcome,
+        )
+        if cause == CAUSE_TIMEOUT:
+            timed_out += 1
+        else:
+            lost += 1
     return ReaperResult(
         lost=lost, timed_out=timed_out, batch_full=len(attempts) >= config.batch_size
     )

@@ -3,7 +3,8 @@ them, and counts and records every repair in the run's history.
 
 - A run `queued` whose message was published long ago but that no worker claimed (the
   message was lost in the broker, or discarded by a worker that does not know the task):
-  published again; after `max_republish` tries it fails as `undeliverable`.
+  published again, each time after twice the wait of the time before; with
+  `max_republish` set it fails as `undeliverable` after that many.
 - A run `running` without a running attempt holding its token (only a bug or a hand edit
   makes one): treated like a lost attempt, retried or failed by the job's policy.
 - Outbox rows pending too long: the relay keeps retrying them; here they are alarmed.
@@ -21,6 +22,7 @@ from collections.abc import Callable
 
 from django.db import transaction
 from django.db.models import Exists, F, OuterRef, Q, Subquery
+from django.db.models.functions import Coalesce
 
 from jobs.models import Attempt, AttemptState, AuditEvent, Run, RunState
 from jobs.retry import CAUSE_LOST, failure_outcome
@@ -43,7 +45,9 @@ class ReconcileConfig:
     # A published run with no attempt after this long is presumed lost in the broker. While
     # its queue still holds ready messages it may only be waiting, and is left alone.
     queued_after_seconds: float = 300.0
-    max_republish: int = 5
+    # None: never give up (the default: a message held in a busy worker's prefetch buffer
+    # cannot be told from a lost one, and giving up would fail a run that is only waiting).
+    max_republish: int | None = None
     running_orphan_after_seconds: float = 30.0
     outbox_alarm_after_seconds: float = 60.0
 
@@ -85,13 +89,12 @@ def _republish_lost_messages(
     *, now: dt.datetime, config: ReconcileConfig, queue_depth: QueueDepth
 ) -> tuple[int, int]:
     latest = OutboxMessage.objects.filter(run=OuterRef("pk")).order_by("-id")
-    candidates = list(
-        Run.objects.select_for_update(skip_locked=True, of=("self",))
-        .select_related("job_version")
-        .filter(state=RunState.QUEUED)
+    candidates = (
+        Run.objects.filter(state=RunState.QUEUED)
         .annotate(
             last_message_state=Subquery(latest.values("state")[:1]),
             last_published_at=Subquery(latest.values("published_at")[:1]),
+            last_queue=Coalesce(Subquery(latest.values("queue")[:1]), F("job__queue")),
         )
         .filter(
             Q(last_message_state__isnull=True)
@@ -100,17 +103,24 @@ def _republish_lost_messages(
                 last_published_at__lt=now - dt.timedelta(seconds=config.queued_after_seconds),
             )
         )
-        .order_by("created_at")[: config.batch_size]
     )
-    depths: dict[str, int | None] = {}
+    # Only queues with nothing waiting in them: elsewhere the message may still be in line.
+    # Asked per queue first, so that a backlog on one queue never starves the others.
+    queues = sorted(set(candidates.values_list("last_queue", flat=True)[:1000]))
+    idle = [queue for queue in queues if queue_depth(queue) == 0]
+    runs = list(
+        candidates.filter(last_queue__in=idle)
+        .select_for_update(skip_locked=True, of=("self",))
+        .select_related("job_version")
+        .order_by("last_published_at", "created_at")[: config.batch_size]
+    )
     republished = undeliverable = 0
-    for run in candidates:
-        queue = run.job_version.spec["queue"]
-        if queue not in depths:
-            depths[queue] = queue_depth(queue)
-        if depths[queue] is None or depths[queue] > 0:
-            continue  # the broker cannot tell, or the message may still be waiting in line
-        if run.republish_count >= config.max_republish:
+    for run in runs:
+        # Each re-publication waits twice as long as the one before (capped at 64x).
+        backoff = config.queued_after_seconds * 2 ** min(run.republish_count, 6)
+        if run.last_published_at and run.last_published_at > now - dt.timedelta(seconds=backoff):
+            continue
+        if config.max_republish is not None and run.republish_count >= config.max_republish:
             if run_give_up(run_id=run.id, now=now, reason="undeliverable"):
                 undeliverable += 1
                 _record(run, action="run.undeliverable", kind="undeliverable",

@@ -228,7 +228,9 @@ def run_execute_delivery(*, run_id: str, handler: Callable, worker: str, message
         log.error("could not claim run %s; reconciliation will publish it again", run_id)
         return {"run_id": run_id, "outcome": "claim_failed"}
     if attempt is None:
-        if run is not None and run.state == RunState.CANCELLED:
+        # The state now, not as read before the claim: a cancel may have won in between.
+        state = Run.objects.filter(id=run_id).values_list("state", flat=True).first()
+        if state == RunState.CANCELLED:
             log.info("run %s was cancelled before a worker claimed it", run_id)
             return {"run_id": run_id, "outcome": "cancelled"}
         run_record_duplicate_delivery(run_id=run_id, worker=worker, message_id=message_id)

@@ -6,7 +6,7 @@ import datetime as dt
 
 from django.contrib.auth.models import AbstractBaseUser
 from django.db import transaction
-from django.db.models import F
+from django.db.models import F, Q
 
 from dispatch.counters import counter_increment
 from dispatch.models import OutboxMessage, OutboxState
@@ -100,7 +100,15 @@ def actor_label(user: AbstractBaseUser) -> str:
 
 
 def attempt_record_failure(
-    *, attempt, spec: dict, retry_base: int, cause: str, error: str, now: dt.datetime, by: str
+    *,
+    attempt,
+    spec: dict,
+    retry_base: int,
+    cause: str,
+    error: str,
+    now: dt.datetime,
+    by: str,
+    only_if: Q | None = None,
 ) -> str | None:
     """End a running attempt that did not succeed, and retry or fail its run per the policy.
 
@@ -122,6 +130,7 @@ def attempt_record_failure(
             retry_at=retry_at,
             reason=reason or "exhausted",
             attempt_to=attempt_to,
+            only_if=only_if,
         )
         if not won:
             return None

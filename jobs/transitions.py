@@ -10,7 +10,8 @@ import datetime as dt
 from collections.abc import Iterable
 
 from django.db import connection, transaction
-from django.db.models import F
+from django.db.models import F, Q
+from django.db.models.functions import Now
 
 from .models import Attempt, AttemptState, FailureReason, Run, RunState
 
@@ -52,7 +53,7 @@ def _move_runs(
     rows = Run.objects.filter(id__in=list(run_ids), state__in=allowed)
     if token is not None:
         rows = rows.filter(fencing_token=token)
-    return rows.update(state=to, **fields)
+    return rows.update(state=to, updated_at=Now(), **fields)
 
 
 def runs_requeue(*, run_ids: list) -> int:
@@ -66,6 +67,7 @@ def run_replay(*, run_id) -> bool:
     return bool(
         Run.objects.filter(id=run_id, state__in=REPLAYABLE_RUN_STATES).update(
             state=RunState.QUEUED,
+            updated_at=Now(),
             retry_base=F("attempt_count"),
             republish_count=0,
             failure_reason="",
@@ -133,6 +135,7 @@ def run_claim(
     claim = f"""
         UPDATE {Run._meta.db_table}
            SET state = %s, fencing_token = fencing_token + 1, attempt_count = attempt_count + 1,
+               updated_at = %s,
                started_at = COALESCE(started_at, %s), next_attempt_at = NULL
          WHERE id = %s AND state IN ({", ".join(["%s"] * len(RUN_TRANSITIONS[RunState.RUNNING]))})
      RETURNING fencing_token, attempt_count
@@ -143,6 +146,7 @@ def run_claim(
                 claim,
                 [
                     RunState.RUNNING,
+                    now,
                     now,
                     Run._meta.pk.get_db_prep_value(run_id, connection),
                     *sorted(RUN_TRANSITIONS[RunState.RUNNING]),
@@ -185,6 +189,7 @@ def _finish(
     run_to: str,
     now: dt.datetime,
     error: str = "",
+    only_if: Q | None = None,
     **run_fields,
 ) -> bool:
     """The attempt leaves running and its run moves to `run_to`, both or neither, and only
@@ -192,9 +197,12 @@ def _finish(
     with transaction.atomic():
         # No join on the run here: the run's own update below is conditioned on the token,
         # and losing it rolls both back.
-        finished = Attempt.objects.filter(
+        rows = Attempt.objects.filter(
             id=attempt.id, state=AttemptState.RUNNING, fencing_token=attempt.fencing_token
-        ).update(state=attempt_to, finished_at=now, error=error)
+        )
+        if only_if is not None:
+            rows = rows.filter(only_if)
+        finished = rows.update(state=attempt_to, finished_at=now, error=error)
         if not finished:
             return False
         if not _move_runs([attempt.run_id], run_to, token=attempt.fencing_token, **run_fields):
@@ -224,6 +232,7 @@ def attempt_fail(
     retry_at: dt.datetime | None,
     reason: str = FailureReason.EXHAUSTED,
     attempt_to: str = AttemptState.FAILED,
+    only_if: Q | None = None,
 ) -> bool:
     """running -> failed (or timed_out, lost, per `attempt_to`) for the attempt; the run
     waits for a retry at `retry_at`, or fails with `reason`."""
@@ -233,6 +242,7 @@ def attempt_fail(
             attempt_to=attempt_to,
             run_to=RunState.RETRY_WAIT,
             now=now,
+            only_if=only_if,
             error=error,
             next_attempt_at=retry_at,
         )
@@ -241,6 +251,7 @@ def attempt_fail(
         attempt_to=attempt_to,
         run_to=RunState.FAILED,
         now=now,
+        only_if=only_if,
         error=error,
         finished_at=now,
         failure_reason=reason,

@@ -82,3 +82,14 @@ def overrun(ctx, seconds=30.0):
     _busy(ctx, seconds, heartbeat=True)
     _record(ctx, "executed")
     return {"ok": True}
+
+
+@job_task(name="faults.fail_first")
+def fail_first(ctx):
+    """Fails its first attempt, succeeds on any later one (a replay)."""
+    _record(ctx, "started", pid=os.getpid())
+    if ctx.attempt == 1:
+        raise RuntimeError("first attempt fails")
+    _commit_effect(ctx, "work")
+    _record(ctx, "executed")
+    return {"attempt": ctx.attempt}

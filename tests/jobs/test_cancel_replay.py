@@ -456,14 +456,6 @@ def test_the_soft_time_limit_times_the_attempt_out(queued_run, overrides, run_st
     assert AuditEvent.objects.filter(run=run, action="attempt.timed_out").count() == 1
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "BUG: run_execute_delivery decides 'cancelled' from the run it read before run_claim; "
-        "a cancel committed between that read and the claim is refused as a duplicate "
-        "delivery (outcome 'refused', duplicate_deliveries +1, counted and audited)"
-    ),
-)
 def test_a_cancel_just_before_the_claim_is_not_counted_as_a_duplicate_delivery(
     queued_run, user, monkeypatch
 ):
