@@ -7,6 +7,7 @@ computed from the runs of the last `LAG_WINDOW` (quantiles 0.5, 0.99 and 1).
 from __future__ import annotations
 
 import datetime as dt
+import re
 
 from django.db.models import Count, DurationField, ExpressionWrapper, F, Min
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -18,15 +19,26 @@ from .models import Counter, OutboxMessage, OutboxState
 
 LAG_WINDOW = dt.timedelta(minutes=10)
 LAG_SAMPLE = 10_000
+# name -> (help, label names). A Counter row's labels are stored as `kind="effect"`.
 COUNTERS = {
     "scheduler_duplicate_deliveries_total": (
-        "Deliveries refused: their run was already claimed or finished."
+        "Deliveries refused: their run was already claimed or finished.",
+        [],
     ),
     "scheduler_stale_completions_total": (
-        "Completions, heartbeats or effects refused for a stale fencing token."
+        "Completions, heartbeats or effects refused for a stale fencing token, by kind.",
+        ["kind"],
     ),
-    "scheduler_lease_expired_total": "Attempts whose lease expired.",
+    "scheduler_lease_expired_total": (
+        "Attempts whose lease expired (ended lost by the reaper).",
+        [],
+    ),
+    "scheduler_reconcile_repairs_total": (
+        "Runs repaired by reconciliation, by kind: republished, orphaned_running, undeliverable.",
+        ["kind"],
+    ),
 }
+LABEL = re.compile(r'(\w+)="([^"]*)"')
 STAGES = {
     "scheduler_discovery_lag_seconds": ("due_at", "created_at", "Due -> run created."),
     "scheduler_publish_lag_seconds": (
@@ -51,13 +63,14 @@ def _quantiles(values: list[float]) -> dict[str, float]:
 class DatabaseCollector:
     def collect(self):
         now = db_now()
-        for name, help_text in COUNTERS.items():
-            family = CounterMetricFamily(name.removesuffix("_total"), help_text, labels=["detail"])
+        for name, (help_text, label_names) in COUNTERS.items():
+            family = CounterMetricFamily(name.removesuffix("_total"), help_text, labels=label_names)
             rows = Counter.objects.filter(name=name)
             for row in rows:
-                family.add_metric([row.labels], row.value)
-            if not rows:
-                family.add_metric([""], 0)
+                labels = dict(LABEL.findall(row.labels))
+                family.add_metric([labels.get(label, "") for label in label_names], row.value)
+            if not rows and not label_names:
+                family.add_metric([], 0)
             yield family
         # Derived from the rows themselves (no extra write per attempt); pruning old rows
         # lowers them, which Prometheus reads as a counter reset.
@@ -80,6 +93,14 @@ class DatabaseCollector:
         backlog = OutboxMessage.objects.filter(state=OutboxState.PENDING).count()
         yield GaugeMetricFamily(
             "scheduler_outbox_backlog", "Outbox rows not yet published.", value=backlog
+        )
+        oldest_pending = OutboxMessage.objects.filter(state=OutboxState.PENDING).aggregate(
+            at=Min("created_at")
+        )["at"]
+        yield GaugeMetricFamily(
+            "scheduler_outbox_oldest_pending_seconds",
+            "Age of the oldest unpublished outbox row (alarm when it keeps growing).",
+            value=max(0.0, (now - oldest_pending).total_seconds()) if oldest_pending else 0.0,
         )
         oldest = Job.objects.filter(state=JobState.ACTIVE).aggregate(at=Min("next_run_at"))["at"]
         overdue = max(0.0, (now - oldest).total_seconds()) if oldest else 0.0

@@ -55,6 +55,21 @@ def test_operations_endpoints_require_authentication(client, api):
         "scheduler_duplicate_deliveries_total",
         "scheduler_discovery_lag_seconds",
         "scheduler_oldest_overdue_seconds",
+        "scheduler_outbox_oldest_pending_seconds",
+        "scheduler_lease_expired_total",
+        "scheduler_reconcile_repairs",
+        "scheduler_stale_completions",
+        "scheduler_dead_letter_total",
     ):
         assert name in text
     assert api.get("/readyz").json() == {"database": "ok", "broker": "ok"}
+
+
+def test_metrics_export_the_durable_counters_with_their_labels(api):
+    from dispatch.counters import counter_increment
+
+    counter_increment("scheduler_lease_expired_total", by=3)
+    counter_increment("scheduler_reconcile_repairs_total", labels='kind="republished"')
+    text = api.get("/metrics").content.decode()
+    assert "scheduler_lease_expired_total 3.0" in text
+    assert 'scheduler_reconcile_repairs_total{kind="republished"} 1.0' in text
