@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from django.http import Http404
-from drf_spectacular.utils import extend_schema
+from drf_spectacular.utils import extend_schema, extend_schema_field
 from rest_framework import serializers, status
 from rest_framework.pagination import CursorPagination
 from rest_framework.response import Response
@@ -11,7 +11,7 @@ from rest_framework.views import APIView
 
 from dispatch.clock import db_now
 
-from .models import JobState, RunKind, RunState
+from .models import AuditEvent, JobState, RunKind, RunState
 from .selectors import job_get, job_list, run_get, run_list
 from .services import job_cancel, job_create, run_cancel_request, run_replay_request
 from .validation import JobSpecSerializer
@@ -153,13 +153,31 @@ class RunListApi(APIView):
         )
 
 
+class RunEventOutput(serializers.Serializer):
+    at = serializers.DateTimeField(source="created_at")
+    actor = serializers.CharField(source="actor_label")
+    action = serializers.CharField()
+    data = serializers.JSONField()
+
+
+class RunDetailOutput(RunOutput):
+    history = serializers.SerializerMethodField()
+
+    @extend_schema_field(RunEventOutput(many=True))
+    def get_history(self, run) -> list:
+        """What happened to the run besides its attempts, oldest first: cancels, replays,
+        lost and timed-out attempts, refused duplicates, reconciliation's repairs."""
+        events = AuditEvent.objects.filter(run=run).order_by("created_at", "id")[:500]
+        return RunEventOutput(events, many=True).data
+
+
 class RunDetailApi(APIView):
-    @extend_schema(responses=RunOutput)
+    @extend_schema(responses=RunDetailOutput)
     def get(self, request, run_id):
         run = run_get(user=request.user, run_id=run_id)
         if run is None:
             raise Http404
-        return Response(RunOutput(run).data)
+        return Response(RunDetailOutput(run).data)
 
 
 def _conflict(detail: str, *, state: str) -> Response:

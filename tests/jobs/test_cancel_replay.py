@@ -474,3 +474,17 @@ def test_a_cancel_just_before_the_claim_is_not_counted_as_a_duplicate_delivery(
     monkeypatch.setattr(dispatch.runtime, "run_claim", cancelled_meanwhile)
 
     assert_worker_refuses_cancelled(run)
+
+
+def test_run_detail_shows_the_runs_history_with_its_actors(api, queued_run, user):
+    run = queued_run()
+    publish(run)
+    assert api.post(f"/api/v1/runs/{run.id}/cancel/").status_code == 200
+    assert api.post(f"/api/v1/runs/{run.id}/replay/").status_code == 200
+
+    history = api.get(f"/api/v1/runs/{run.id}/").json()["history"]
+    assert [(e["action"], e["actor"]) for e in history] == [
+        ("run.cancelled", f"user:{user.username}"),
+        ("run.replayed", f"user:{user.username}"),
+    ]
+    assert history[1]["data"]["from_state"] == "cancelled"
