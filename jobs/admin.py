@@ -1,8 +1,20 @@
-"""Operators browse jobs, runs and attempts here (actions arrive with the lifecycle issue)."""
+"""Operators browse jobs, runs and attempts here, and act on them through the same
+services as the API (each action is audited with its actor)."""
 
-from django.contrib import admin
+from django.contrib import admin, messages
+
+from dispatch.clock import db_now
 
 from .models import Attempt, AuditEvent, Job, JobVersion, Run
+from .services import job_cancel, run_cancel_request, run_replay_request
+
+
+def _act(modeladmin, request, queryset, action, verb: str) -> None:
+    """Apply `action(obj)` to each selected object; report how many it changed."""
+    done = sum(bool(action(obj)) for obj in queryset[:1000])
+    refused = min(queryset.count(), 1000) - done
+    modeladmin.message_user(request, f"{verb}: {done}; refused (illegal in their state): {refused}",
+                            messages.SUCCESS if not refused else messages.WARNING)  # fmt: skip
 
 
 class ReadOnlyAdmin(admin.ModelAdmin):
@@ -32,6 +44,13 @@ class JobAdmin(ReadOnlyAdmin):
     list_filter = ("state", "task", "queue")
     search_fields = ("name", "task", "id")
     inlines = [JobVersionInline]
+    actions = ["cancel_jobs"]
+
+    @admin.action(description="Cancel the selected jobs (and their active runs)")
+    def cancel_jobs(self, request, queryset):
+        _act(self, request, queryset,
+             lambda job: job_cancel(job=job, actor=request.user, now=db_now()),
+             "cancelled")  # fmt: skip
 
 
 class AttemptInline(admin.TabularInline):
@@ -69,6 +88,19 @@ class RunAdmin(ReadOnlyAdmin):
     search_fields = ("id", "job__name", "idempotency_key")
     date_hierarchy = "scheduled_for"
     inlines = [AttemptInline]
+    actions = ["cancel_runs", "replay_runs"]
+
+    @admin.action(description="Cancel the selected runs")
+    def cancel_runs(self, request, queryset):
+        _act(self, request, queryset,
+             lambda run: run_cancel_request(run=run, actor=request.user, now=db_now()),
+             "cancelled")  # fmt: skip
+
+    @admin.action(description="Replay the selected failed or cancelled runs")
+    def replay_runs(self, request, queryset):
+        _act(self, request, queryset.select_related("job_version"),
+             lambda run: run_replay_request(run=run, actor=request.user, now=db_now()),
+             "replayed")  # fmt: skip
 
 
 @admin.register(Attempt)
