@@ -6,7 +6,7 @@ import datetime as dt
 
 from django.http import Http404
 from drf_spectacular.types import OpenApiTypes
-from drf_spectacular.utils import OpenApiParameter, extend_schema
+from drf_spectacular.utils import OpenApiExample, OpenApiParameter, extend_schema
 from rest_framework import serializers, status
 from rest_framework.pagination import CursorPagination
 from rest_framework.response import Response
@@ -248,6 +248,24 @@ class JobListApi(APIView):
         request=JobSpecSerializer,
         parameters=[IDEMPOTENCY_KEY],
         responses={201: JobOutput, 409: Problem},
+        examples=[
+            OpenApiExample(
+                "Weekday mornings in Berlin",
+                request_only=True,
+                value={
+                    "name": "morning report",
+                    "task": "scheduler.echo",
+                    "kwargs": {"message": "good morning"},
+                    "schedule": {
+                        "kind": "cron",
+                        "expression": "0 9 * * MON-FRI",
+                        "timezone": "Europe/Berlin",
+                    },
+                    "overlap": "skip",
+                    "misfire": {"policy": "run_latest", "grace_seconds": 300},
+                },
+            )
+        ],
     )
     def post(self, request):
         def create() -> Answer:
@@ -416,6 +434,13 @@ class JobBackfillApi(APIView):
     @extend_schema(
         request=BackfillSerializer,
         parameters=[IDEMPOTENCY_KEY],
+        examples=[
+            OpenApiExample(
+                "One day of 2025",
+                request_only=True,
+                value={"start": "2025-01-01T00:00:00Z", "end": "2025-01-02T00:00:00Z"},
+            )
+        ],
         responses={201: BackfillOutput, 409: Problem},
     )
     def post(self, request, job_id):
@@ -517,7 +542,26 @@ def schedule_preview(*, schedule: dict, dst: dict, after: dt.datetime, count: in
 
 
 class SchedulePreviewApi(APIView):
-    @extend_schema(request=PreviewSerializer, responses=PreviewOutput)
+    @extend_schema(
+        request=PreviewSerializer,
+        responses=PreviewOutput,
+        examples=[
+            OpenApiExample(
+                "02:30 daily in New York across spring forward",
+                request_only=True,
+                value={
+                    "schedule": {
+                        "kind": "cron",
+                        "expression": "30 2 * * *",
+                        "timezone": "America/New_York",
+                    },
+                    "dst": {"gap": "shift", "fold": "auto"},
+                    "after": "2025-03-08T00:00:00Z",
+                    "count": 3,
+                },
+            )
+        ],
+    )
     def post(self, request):
         preview = PreviewSerializer(data=request.data)
         preview.is_valid(raise_exception=True)
