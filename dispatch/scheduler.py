@@ -25,7 +25,7 @@ from django.db.models import Exists, Min, OuterRef, Q
 from jobs.idempotency import idempotency_prune
 from jobs.models import AuditEvent, Job, JobState, JobVersion, Run, RunKind, RunState
 from jobs.schedules import ScheduleError
-from jobs.services import job_next_fire, job_pause_if_failing, run_cancel_request
+from jobs.services import job_next_fire, job_pause, job_pause_if_failing, run_cancel_request
 from jobs.transitions import ACTIVE_RUN_STATES, runs_requeue
 
 from .outbox import outbox_enqueue_runs
@@ -173,8 +173,10 @@ def _materialize_due_jobs(*, now: dt.datetime, limit: int) -> _Materialized:
         except ScheduleError as exc:
             # Validated at creation, so only a changed environment (a zone gone from tzdata,
             # a spec edited by hand) gets here: stop this job visibly rather than fail every
-            # batch it is in.
+            # batch it is in. Paused, not left to complete: a PATCH of its schedule and a
+            # resume bring it back.
             plans[job.id] = ([job.next_run_at], None)
+            job_pause(job=job, actor=None, now=now, reason="schedule error")
             audit.append(
                 AuditEvent(
                     actor_label="system:scheduler",

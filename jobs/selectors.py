@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from django.contrib.auth.models import AbstractBaseUser
 from django.db.models import Prefetch, QuerySet
+from django.db.models.fields.json import KeyTextTransform
 
 from .models import Attempt, AuditEvent, Job, JobVersion, Run
 from .services import spec_diff
@@ -28,7 +29,10 @@ def job_list(*, user: AbstractBaseUser, filters: dict | None = None) -> QuerySet
             jobs = jobs.filter(**{field: filters[field]})
     if filters.get("label"):
         key, value = filters["label"]
-        jobs = jobs.filter(labels__contains={key: value})
+        # A key transform rather than `labels__contains`, which SQLite (the embedded
+        # default) does not have; and no `labels__<key>` lookup, which would read `__` in
+        # a key as a path.
+        jobs = jobs.alias(label_value=KeyTextTransform(key, "labels")).filter(label_value=value)
     if filters.get("created_after"):
         jobs = jobs.filter(created_at__gte=filters["created_after"])
     if filters.get("created_before"):

@@ -347,7 +347,9 @@ def test_an_expired_key_is_forgotten_and_pruned_in_bounded_batches(api, user):
 
 def test_job_filters_by_label_state_task_and_created_range(api, make_job, user):
     early = make_job(now=dt.datetime(2025, 1, 1, tzinfo=dt.UTC), labels={"team": "billing"})
-    late = make_job(now=dt.datetime(2025, 6, 1, tzinfo=dt.UTC), labels={"team": "search"})
+    late = make_job(
+        now=dt.datetime(2025, 6, 1, tzinfo=dt.UTC), labels={"team": "search", "a__b": "c:d"}
+    )
     Job.objects.filter(id=late.id).update(state="paused")
 
     def ids(query: str) -> set[str]:
@@ -357,6 +359,7 @@ def test_job_filters_by_label_state_task_and_created_range(api, make_job, user):
 
     assert ids("label=team:billing") == {str(early.id)}
     assert ids("label=team:nobody") == set()
+    assert ids("label=a__b:c:d") == {str(late.id)}  # a key is a key; the value may hold ":"
     assert ids("state=paused") == {str(late.id)}
     assert ids("task=tests.record") == {str(early.id), str(late.id)}
     assert ids("created_after=2025-03-01T00:00:00Z") == {str(late.id)}

@@ -364,3 +364,15 @@ def test_a_paused_job_is_not_completed_and_not_materialized(make_job, user):
     assert reload(job).state == JobState.PAUSED
     assert not Run.objects.filter(job=job).exists()
     assert Job.objects.get(id=job.id).next_run_at == at(minutes=1)
+
+
+def test_a_job_whose_schedule_can_no_longer_be_evaluated_is_paused_not_completed(make_job):
+    job = make_job(now=T0, schedule=HOURLY)
+    Job.objects.filter(id=job.id).update(
+        spec=job.spec | {"schedule": HOURLY | {"timezone": "Gone/Zone"}}
+    )
+    run_once(at())
+    run_once(at(minutes=1))
+    job = reload(job)
+    assert (job.state, job.next_run_at) == (JobState.PAUSED, None)
+    assert AuditEvent.objects.get(job=job, action="job.paused").data == {"reason": "schedule error"}
