@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from jobs.schedules import occurrences, zone
+from jobs.services import job_next_fire
 
 ZONES = [
     "America/New_York",
@@ -134,3 +135,26 @@ def test_occurrences_are_increasing_unique_and_follow_the_policy(case):
     assert all(a < b for a, b in zip(produced, produced[1:], strict=False)), produced
     assert all(at > after for at in produced)
     assert produced == expected_instants(expression, name, dst, after, end)
+
+
+@settings(max_examples=100, deadline=None)
+@given(cases())
+def test_materializing_one_occurrence_at_a_time_gives_the_same_sequence(case):
+    """The scheduler advances a job by asking for the next occurrence after the one it
+    just materialized (job_next_fire), restarting the evaluation each time, even inside a
+    gap or a fold: that chain must be the uninterrupted sequence."""
+    name, expression, dst, after = case
+    spec = {
+        "schedule": {"kind": "cron", "expression": expression, "timezone": name},
+        "dst": dst,
+        "start_at": None,
+        "end_at": None,
+    }
+    end = after + WINDOW
+    chained, at = [], after
+    while True:
+        at = job_next_fire(spec=spec, created_at=after, after=at)
+        if at is None or at > end:
+            break
+        chained.append(at)
+    assert chained == expected_instants(expression, name, dst, after, end)
