@@ -157,10 +157,13 @@ def _materialize_due_jobs(*, now: dt.datetime, limit: int) -> _Materialized:
     for job in jobs:
         version_of |= Q(job_id=job.id, version=job.version)
     versions = {v.job_id: v for v in JobVersion.objects.filter(version_of)}
+    # Overlap is a matter between a job's scheduled runs: manual and backfill runs are
+    # neither held back by it nor hold scheduled ones back (a backfill of a thousand runs
+    # must not make cancel_previous cancel them all).
     active: dict = {}
-    for run in Run.objects.filter(job_id__in=ids, state__in=ACTIVE_RUN_STATES).order_by(
-        "created_at"
-    ):
+    for run in Run.objects.filter(
+        job_id__in=ids, kind=RunKind.SCHEDULED, state__in=ACTIVE_RUN_STATES
+    ).order_by("created_at"):
         active.setdefault(run.job_id, []).append(run)
     runs, audit, advanced = [], [], []
     plans = {}
@@ -270,7 +273,9 @@ def _apply_overlap(job: Job, run: Run, active: list[Run], now: dt.datetime) -> s
 def _release_pending_runs(*, now: dt.datetime, limit: int) -> int:
     """pending -> queued for runs that are due (their jitter has passed) and, for a
     buffer_one job, whose job has no other run queued, running or waiting for a retry."""
-    busy = Run.objects.filter(job_id=OuterRef("job_id"), state__in=BUSY_RUN_STATES)
+    busy = Run.objects.filter(
+        job_id=OuterRef("job_id"), kind=RunKind.SCHEDULED, state__in=BUSY_RUN_STATES
+    )
     runs = list(
         Run.objects.select_for_update(skip_locked=True, of=("self",))
         .select_related("job_version")

@@ -239,6 +239,16 @@ def test_overlap_in_a_catch_up_applies_between_the_new_runs_too(make_job):
     assert [state for _, state in runs_of(job)] == [RunState.QUEUED] + [RunState.SKIPPED] * 3
 
 
+@pytest.mark.parametrize("policy", ["skip", "cancel_previous"])
+def test_a_running_manual_run_is_not_the_active_run_of_overlap(make_job, user, policy):
+    job = make_job(now=T0, schedule={"kind": "interval", "every_seconds": 60}, overlap=policy)
+    manual = job_trigger(job=job, actor=user, now=at(seconds=-10))
+    claim(manual, at(seconds=-5))
+    run_once(at())
+    assert Run.objects.get(job=job, kind="scheduled").state == RunState.QUEUED
+    assert reload(manual).state == RunState.RUNNING
+
+
 def test_manual_trigger_is_not_held_back_by_overlap(make_job, user):
     job, first, second, _, _ = overlapping(make_job, "skip")
     run = job_trigger(job=job, actor=user, now=at(minutes=1, seconds=10))
