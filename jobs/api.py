@@ -227,7 +227,7 @@ def _answer(request, *, scope: str, produce) -> Response:
     return response
 
 
-def _live_job(request, job_id):
+def _visible_job(request, job_id):
     job = job_get(user=request.user, job_id=job_id)
     if job is None:
         raise Http404
@@ -297,7 +297,7 @@ def _with_etag(response: Response, job) -> Response:
 class JobDetailApi(APIView):
     @extend_schema(responses=JobOutput)
     def get(self, request, job_id):
-        job = _live_job(request, job_id)
+        job = _visible_job(request, job_id)
         return _with_etag(Response(JobOutput(job).data), job)
 
     @extend_schema(
@@ -306,7 +306,7 @@ class JobDetailApi(APIView):
         responses={200: JobOutput, 409: Problem, 412: Problem},
     )
     def patch(self, request, job_id):
-        job = _live_job(request, job_id)
+        job = _visible_job(request, job_id)
         expected = _version_header(request.headers.get("If-Match"))
         if expected is not None and expected != job.version:
             return _stale(job)
@@ -316,16 +316,16 @@ class JobDetailApi(APIView):
         if not job_update(
             job=job, spec=spec, expected_version=job.version, actor=request.user, now=db_now()
         ):
-            job = _live_job(request, job_id)
+            job = _visible_job(request, job_id)
             if job.state not in (JobState.ACTIVE, JobState.PAUSED):
                 return _conflict(f"a {job.state} job cannot be changed", state=job.state)
             return _stale(job)
-        job = _live_job(request, job_id)
+        job = _visible_job(request, job_id)
         return _with_etag(Response(JobOutput(job).data), job)
 
     @extend_schema(request=None, responses={204: None})
     def delete(self, request, job_id):
-        job = _live_job(request, job_id)
+        job = _visible_job(request, job_id)
         if not job_delete(job=job, actor=request.user, now=db_now()):
             raise Http404  # deleted meanwhile
         return Response(status=status.HTTP_204_NO_CONTENT)
@@ -346,7 +346,7 @@ class JobRunListApi(APIView):
 
     @extend_schema(parameters=[RunFilters], responses=RunOutput(many=True))
     def get(self, request, job_id):
-        _live_job(request, job_id)
+        _visible_job(request, job_id)
         filters = {**_filters(RunFilters, request), "job": job_id}
         return _page(
             request, self, run_list(user=request.user, filters=filters), RunOutput, filters
@@ -380,25 +380,25 @@ def _conflict(detail: str, *, state: str) -> Response:
 class JobPauseApi(APIView):
     @extend_schema(request=None, responses={200: JobOutput, 409: Problem})
     def post(self, request, job_id):
-        job = _live_job(request, job_id)
+        job = _visible_job(request, job_id)
         if not job_pause(job=job, actor=request.user, now=db_now()):
             job.refresh_from_db()
             return _conflict(
                 f"only an active job can be paused, not a {job.state} one", state=job.state
             )
-        return Response(JobOutput(_live_job(request, job_id)).data)
+        return Response(JobOutput(_visible_job(request, job_id)).data)
 
 
 class JobResumeApi(APIView):
     @extend_schema(request=None, responses={200: JobOutput, 409: Problem})
     def post(self, request, job_id):
-        job = _live_job(request, job_id)
+        job = _visible_job(request, job_id)
         if not job_resume(job=job, actor=request.user, now=db_now()):
             job.refresh_from_db()
             return _conflict(
                 f"only a paused job can be resumed, not a {job.state} one", state=job.state
             )
-        return Response(JobOutput(_live_job(request, job_id)).data)
+        return Response(JobOutput(_visible_job(request, job_id)).data)
 
 
 class JobTriggerApi(APIView):
@@ -406,7 +406,7 @@ class JobTriggerApi(APIView):
         request=None, parameters=[IDEMPOTENCY_KEY], responses={201: RunOutput, 409: Problem}
     )
     def post(self, request, job_id):
-        job = _live_job(request, job_id)
+        job = _visible_job(request, job_id)
 
         def trigger() -> Answer:
             run = job_trigger(job=job, actor=request.user, now=db_now())
@@ -444,7 +444,7 @@ class JobBackfillApi(APIView):
         responses={201: BackfillOutput, 409: Problem},
     )
     def post(self, request, job_id):
-        job = _live_job(request, job_id)
+        job = _visible_job(request, job_id)
 
         def backfill() -> Answer:
             now = db_now()
@@ -501,7 +501,7 @@ class HistoryOutput(serializers.Serializer):
 class JobHistoryApi(APIView):
     @extend_schema(responses=HistoryOutput)
     def get(self, request, job_id):
-        job = _live_job(request, job_id)
+        job = _visible_job(request, job_id)
         return Response(HistoryOutput(job_history(job=job)).data)
 
 
