@@ -133,10 +133,10 @@ def _misfire_plan(
             at: f"misfire: missed by {int((now - at).total_seconds())}s (policy skip)"
             for at in missed
         }
-    # run_latest: the latest missed occurrence runs, unless a later one (in this pass, or
-    # still waiting beyond this pass's cap) supersedes it.
+    # run_latest: the latest missed occurrence runs, unless a later due one (in this pass,
+    # or waiting beyond this pass's cap) supersedes it.
     superseded = missed
-    if len(missed) == len(due) and not (next_at is not None and late(next_at)):
+    if len(missed) == len(due) and (next_at is None or next_at > now):
         superseded = missed[:-1]
     return {
         at: "misfire: superseded by a later occurrence (policy run_latest)" for at in superseded

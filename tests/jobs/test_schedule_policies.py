@@ -386,3 +386,20 @@ def test_a_job_whose_schedule_can_no_longer_be_evaluated_is_paused_not_completed
     job = reload(job)
     assert (job.state, job.next_run_at) == (JobState.PAUSED, None)
     assert AuditEvent.objects.get(job=job, action="job.paused").data == {"reason": "schedule error"}
+
+
+def test_run_latest_does_not_run_a_missed_occurrence_when_a_later_one_is_due(make_job):
+    """A pass's cap can end exactly on the last missed occurrence while later ones, within
+    the grace, are already due: those supersede it."""
+    job = make_job(
+        now=T0,
+        schedule={"kind": "cron", "expression": "* * * * *", "timezone": "UTC"},
+        misfire={"policy": "run_latest", "grace_seconds": 1800},
+    )
+    now = at(hours=2, minutes=10)  # 00:00..01:39 are missed (100), 01:40..02:10 are not
+    run_once(now)
+    run_once(now)
+    assert Run.objects.filter(job=job, state=RunState.SKIPPED).count() == 100
+    queued = Run.objects.filter(job=job, state=RunState.QUEUED).order_by("scheduled_for")
+    assert queued.count() == 31
+    assert queued.first().scheduled_for == at(hours=1, minutes=40)
