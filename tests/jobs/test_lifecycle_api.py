@@ -162,6 +162,14 @@ def test_pause_resume_and_illegal_transitions_answer_409(api):
     assert not Run.objects.exists()
 
 
+def test_a_paused_job_can_still_be_triggered_by_hand(api):
+    job = create(api, schedule=DAILY)
+    api.post(url(job, "pause"))
+    response = api.post(url(job, "trigger"))
+    assert response.status_code == 201
+    assert Job.objects.get(id=job["id"]).state == JobState.PAUSED
+
+
 def test_trigger_queues_a_manual_run_with_its_outbox_row(api):
     job = create(api, schedule=DAILY)
     response = api.post(url(job, "trigger"))
