@@ -2,8 +2,16 @@
 
 from __future__ import annotations
 
+import datetime as dt
+
 from django.http import Http404
-from drf_spectacular.utils import extend_schema, extend_schema_field
+from drf_spectacular.types import OpenApiTypes
+from drf_spectacular.utils import (
+    OpenApiExample,
+    OpenApiParameter,
+    extend_schema,
+    extend_schema_field,
+)
 from rest_framework import serializers, status
 from rest_framework.pagination import CursorPagination
 from rest_framework.response import Response
@@ -11,20 +19,74 @@ from rest_framework.views import APIView
 
 from dispatch.clock import db_now
 
+from . import schedules
+from .idempotency import (
+    Answer,
+    IdempotencyConflict,
+    idempotency_key_problem,
+    idempotent_answer,
+)
 from .models import AuditEvent, JobState, RunKind, RunState
-from .selectors import job_get, job_list, run_get, run_list
-from .services import job_cancel, job_create, run_cancel_request, run_replay_request
-from .validation import JobSpecSerializer
+from .selectors import job_get, job_history, job_list, run_get, run_list
+from .services import (
+    backfill_occurrences,
+    job_backfill,
+    job_cancel,
+    job_create,
+    job_delete,
+    job_pause,
+    job_resume,
+    job_trigger,
+    job_update,
+    run_cancel_request,
+    run_replay_request,
+)
+from .validation import (
+    AwareDateTimeField,
+    BackfillSerializer,
+    JobSpecSerializer,
+    PreviewSerializer,
+    job_patched_spec,
+)
 
 
 class NewestFirst(CursorPagination):
+    """Cursor pagination; the list's `ordering` query parameter picks the order."""
+
     page_size = 50
     max_page_size = 500
     page_size_query_param = "page_size"
     ordering = ("-created_at", "-id")
 
+    def paginate_queryset(self, queryset, request, view=None):
+        order = getattr(view, "order", None)
+        if order:
+            tie = "-id" if order.startswith("-") else "id"
+            self.ordering = (order, tie)
+        return super().paginate_queryset(queryset, request, view)
 
-class JobOutput(serializers.Serializer):
+
+IDEMPOTENCY_KEY = OpenApiParameter(
+    "Idempotency-Key",
+    OpenApiTypes.STR,
+    OpenApiParameter.HEADER,
+    description="Repeat a request safely: the same key with the same body answers with the "
+    "first result (kept 24 h); with another body, 409.",
+)
+IF_MATCH = OpenApiParameter(
+    "If-Match",
+    OpenApiTypes.STR,
+    OpenApiParameter.HEADER,
+    description="The job version the change is based on; 412 when the job has moved on.",
+)
+
+
+class Problem(serializers.Serializer):
+    detail = serializers.CharField()
+    state = serializers.CharField(required=False)
+
+
+class JobServerFields(serializers.Serializer):
     id = serializers.UUIDField()
     owner = serializers.CharField(source="owner.get_username")
     state = serializers.CharField()
@@ -32,11 +94,21 @@ class JobOutput(serializers.Serializer):
     next_run_at = serializers.DateTimeField(allow_null=True)
     created_at = serializers.DateTimeField()
     updated_at = serializers.DateTimeField()
-    spec = serializers.JSONField(help_text="The job body as validated, with every default.")
+
+
+class JobOutput(JobSpecSerializer):
+    """The job body as validated, with every default, and the server-managed fields."""
+
+    id = serializers.UUIDField(read_only=True)
+    owner = serializers.CharField(read_only=True)
+    state = serializers.ChoiceField(choices=JobState.values, read_only=True)
+    version = serializers.IntegerField(read_only=True)
+    next_run_at = serializers.DateTimeField(allow_null=True, read_only=True)
+    created_at = serializers.DateTimeField(read_only=True)
+    updated_at = serializers.DateTimeField(read_only=True)
 
     def to_representation(self, job):
-        data = super().to_representation(job)
-        return {**data.pop("spec"), **data}
+        return {**job.spec, **JobServerFields(job).data}
 
 
 class AttemptOutput(serializers.Serializer):
@@ -80,18 +152,42 @@ class RunOutput(serializers.Serializer):
         return {stage: field.to_representation(at) if at else None for stage, at in stages.items()}
 
 
+class LabelField(serializers.CharField):
+    """`key:value`, read as the pair (key, value)."""
+
+    def to_internal_value(self, data):
+        text = super().to_internal_value(data)
+        key, colon, value = text.partition(":")
+        if not colon or not key:
+            raise serializers.ValidationError("Must be key:value, e.g. team:billing.")
+        return key, value
+
+
 class JobFilters(serializers.Serializer):
     state = serializers.ChoiceField(choices=JobState.values, required=False)
     task = serializers.CharField(required=False)
     queue = serializers.CharField(required=False)
+    label = LabelField(required=False, help_text="key:value; jobs whose labels hold it.")
+    created_after = AwareDateTimeField(required=False, help_text="Inclusive.")
+    created_before = AwareDateTimeField(required=False, help_text="Exclusive.")
+    ordering = serializers.ChoiceField(
+        choices=["created_at", "-created_at", "name", "-name"],
+        required=False,
+        help_text="Default -created_at (newest first).",
+    )
 
 
 class RunFilters(serializers.Serializer):
     job = serializers.UUIDField(required=False)
     state = serializers.ChoiceField(choices=RunState.values, required=False)
     kind = serializers.ChoiceField(choices=RunKind.values, required=False)
-    scheduled_after = serializers.DateTimeField(required=False)
-    scheduled_before = serializers.DateTimeField(required=False)
+    scheduled_after = AwareDateTimeField(required=False, help_text="Inclusive.")
+    scheduled_before = AwareDateTimeField(required=False, help_text="Exclusive.")
+    ordering = serializers.ChoiceField(
+        choices=["created_at", "-created_at", "scheduled_for", "-scheduled_for"],
+        required=False,
+        help_text="Default -created_at (newest first).",
+    )
 
 
 def _filters(serializer_class, request) -> dict:
@@ -100,56 +196,176 @@ def _filters(serializer_class, request) -> dict:
     return filters.validated_data
 
 
-def _page(request, view, queryset, output):
-    paginator = NewestFirst()
+def _page(request, view, queryset, output, filters: dict):
+    view.order = filters.get("ordering")
+    paginator = view.pagination_class()
     page = paginator.paginate_queryset(queryset, request, view=view)
     return paginator.get_paginated_response(output(page, many=True).data)
 
 
+def _idempotency_key(request) -> str | None:
+    key = request.headers.get("Idempotency-Key")
+    if key is None:
+        return None
+    problem = idempotency_key_problem(key)
+    if problem:
+        raise serializers.ValidationError({"Idempotency-Key": [problem]})
+    return key
+
+
+def _answer(request, *, scope: str, produce) -> Response:
+    """Run `produce` once per Idempotency-Key (if the request has one)."""
+    try:
+        answer = idempotent_answer(
+            owner=request.user,
+            scope=scope,
+            key=_idempotency_key(request),
+            body=request.data,
+            now=db_now(),
+            produce=produce,
+        )
+    except IdempotencyConflict as exc:
+        return Response({"detail": str(exc)}, status=status.HTTP_409_CONFLICT)
+    response = Response(answer.body, status=answer.status)
+    if answer.replayed:
+        response["Idempotent-Replayed"] = "true"
+    return response
+
+
+def _visible_job(request, job_id):
+    job = job_get(user=request.user, job_id=job_id)
+    if job is None:
+        raise Http404
+    return job
+
+
 class JobListApi(APIView):
+    pagination_class = NewestFirst
+
     @extend_schema(parameters=[JobFilters], responses=JobOutput(many=True))
     def get(self, request):
+        filters = _filters(JobFilters, request)
         return _page(
-            request,
-            self,
-            job_list(user=request.user, filters=_filters(JobFilters, request)),
-            JobOutput,
+            request, self, job_list(user=request.user, filters=filters), JobOutput, filters
         )
 
-    @extend_schema(request=JobSpecSerializer, responses={201: JobOutput})
+    @extend_schema(
+        request=JobSpecSerializer,
+        parameters=[IDEMPOTENCY_KEY],
+        responses={201: JobOutput, 409: Problem},
+        examples=[
+            OpenApiExample(
+                "Weekday mornings in Berlin",
+                request_only=True,
+                value={
+                    "name": "morning report",
+                    "task": "scheduler.echo",
+                    "kwargs": {"message": "good morning"},
+                    "schedule": {
+                        "kind": "cron",
+                        "expression": "0 9 * * MON-FRI",
+                        "timezone": "Europe/Berlin",
+                    },
+                    "overlap": "skip",
+                    "misfire": {"policy": "run_latest", "grace_seconds": 300},
+                },
+            )
+        ],
+    )
     def post(self, request):
-        spec = JobSpecSerializer(data=request.data)
-        spec.is_valid(raise_exception=True)
-        job = job_create(owner=request.user, spec=dict(spec.validated_data), now=db_now())
-        return Response(JobOutput(job).data, status=status.HTTP_201_CREATED)
+        def create() -> Answer:
+            spec = JobSpecSerializer(data=request.data)
+            spec.is_valid(raise_exception=True)
+            job = job_create(owner=request.user, spec=dict(spec.validated_data), now=db_now())
+            return Answer(status.HTTP_201_CREATED, JobOutput(job).data)
+
+        return _answer(request, scope="jobs.create", produce=create)
+
+
+def _version_header(header: str | None) -> int | None:
+    """`If-Match: 3`, `"3"` or `W/"3"` -> 3; None when absent; 400 when unreadable."""
+    if header is None:
+        return None
+    text = header.strip().removeprefix("W/").strip('"')
+    if not text.isdigit():
+        raise serializers.ValidationError(
+            {"If-Match": ["Must be the job's version, an integer (e.g. If-Match: 3)."]}
+        )
+    return int(text)
+
+
+def _with_etag(response: Response, job) -> Response:
+    response["ETag"] = f'"{job.version}"'
+    return response
 
 
 class JobDetailApi(APIView):
     @extend_schema(responses=JobOutput)
     def get(self, request, job_id):
-        job = job_get(user=request.user, job_id=job_id)
-        if job is None:
-            raise Http404
-        return Response(JobOutput(job).data)
+        job = _visible_job(request, job_id)
+        return _with_etag(Response(JobOutput(job).data), job)
+
+    @extend_schema(
+        request=JobSpecSerializer(partial=True),
+        parameters=[IF_MATCH],
+        responses={200: JobOutput, 409: Problem, 412: Problem},
+    )
+    def patch(self, request, job_id):
+        job = _visible_job(request, job_id)
+        expected = _version_header(request.headers.get("If-Match"))
+        if expected is not None and expected != job.version:
+            return _stale(job)
+        spec = job_patched_spec(spec=job.spec, patch=request.data)
+        if job.state not in (JobState.ACTIVE, JobState.PAUSED):
+            return _conflict(f"a {job.state} job cannot be changed", state=job.state)
+        if not job_update(
+            job=job, spec=spec, expected_version=job.version, actor=request.user, now=db_now()
+        ):
+            job = _visible_job(request, job_id)
+            if job.state not in (JobState.ACTIVE, JobState.PAUSED):
+                return _conflict(f"a {job.state} job cannot be changed", state=job.state)
+            return _stale(job)
+        job = _visible_job(request, job_id)
+        return _with_etag(Response(JobOutput(job).data), job)
+
+    @extend_schema(request=None, responses={204: None})
+    def delete(self, request, job_id):
+        job = _visible_job(request, job_id)
+        if not job_delete(job=job, actor=request.user, now=db_now()):
+            raise Http404  # deleted meanwhile
+        return Response(status=status.HTTP_204_NO_CONTENT)
+
+
+def _stale(job) -> Response:
+    return _with_etag(
+        Response(
+            {"detail": f"the job is at version {job.version}", "version": job.version},
+            status=status.HTTP_412_PRECONDITION_FAILED,
+        ),
+        job,
+    )
 
 
 class JobRunListApi(APIView):
+    pagination_class = NewestFirst
+
     @extend_schema(parameters=[RunFilters], responses=RunOutput(many=True))
     def get(self, request, job_id):
-        if job_get(user=request.user, job_id=job_id) is None:
-            raise Http404
+        _visible_job(request, job_id)
         filters = {**_filters(RunFilters, request), "job": job_id}
-        return _page(request, self, run_list(user=request.user, filters=filters), RunOutput)
+        return _page(
+            request, self, run_list(user=request.user, filters=filters), RunOutput, filters
+        )
 
 
 class RunListApi(APIView):
+    pagination_class = NewestFirst
+
     @extend_schema(parameters=[RunFilters], responses=RunOutput(many=True))
     def get(self, request):
+        filters = _filters(RunFilters, request)
         return _page(
-            request,
-            self,
-            run_list(user=request.user, filters=_filters(RunFilters, request)),
-            RunOutput,
+            request, self, run_list(user=request.user, filters=filters), RunOutput, filters
         )
 
 
@@ -184,8 +400,207 @@ def _conflict(detail: str, *, state: str) -> Response:
     return Response({"detail": detail, "state": state}, status=status.HTTP_409_CONFLICT)
 
 
+class JobPauseApi(APIView):
+    @extend_schema(request=None, responses={200: JobOutput, 409: Problem})
+    def post(self, request, job_id):
+        job = _visible_job(request, job_id)
+        if not job_pause(job=job, actor=request.user, now=db_now()):
+            job.refresh_from_db()
+            return _conflict(
+                f"only an active job can be paused, not a {job.state} one", state=job.state
+            )
+        return Response(JobOutput(_visible_job(request, job_id)).data)
+
+
+class JobResumeApi(APIView):
+    @extend_schema(request=None, responses={200: JobOutput, 409: Problem})
+    def post(self, request, job_id):
+        job = _visible_job(request, job_id)
+        if not job_resume(job=job, actor=request.user, now=db_now()):
+            job.refresh_from_db()
+            return _conflict(
+                f"only a paused job can be resumed, not a {job.state} one", state=job.state
+            )
+        return Response(JobOutput(_visible_job(request, job_id)).data)
+
+
+class JobTriggerApi(APIView):
+    @extend_schema(
+        request=None, parameters=[IDEMPOTENCY_KEY], responses={201: RunOutput, 409: Problem}
+    )
+    def post(self, request, job_id):
+        job = _visible_job(request, job_id)
+
+        def trigger() -> Answer:
+            run = job_trigger(job=job, actor=request.user, now=db_now())
+            if run is None:
+                job.refresh_from_db()
+                return Answer(
+                    status.HTTP_409_CONFLICT,
+                    {"detail": f"a {job.state} job cannot be triggered", "state": job.state},
+                )
+            return Answer(
+                status.HTTP_201_CREATED, RunOutput(run_get(user=request.user, run_id=run.id)).data
+            )
+
+        return _answer(request, scope=f"jobs.{job.id}.trigger", produce=trigger)
+
+
+class BackfillOutput(serializers.Serializer):
+    created = serializers.ListField(child=serializers.UUIDField(), help_text="New runs.")
+    existing = serializers.ListField(
+        child=serializers.UUIDField(), help_text="Runs an earlier backfill already created."
+    )
+
+
+class JobBackfillApi(APIView):
+    @extend_schema(
+        request=BackfillSerializer,
+        parameters=[IDEMPOTENCY_KEY],
+        examples=[
+            OpenApiExample(
+                "One day of 2025",
+                request_only=True,
+                value={"start": "2025-01-01T00:00:00Z", "end": "2025-01-02T00:00:00Z"},
+            )
+        ],
+        responses={201: BackfillOutput, 409: Problem},
+    )
+    def post(self, request, job_id):
+        job = _visible_job(request, job_id)
+
+        def backfill() -> Answer:
+            now = db_now()
+            window = BackfillSerializer(data=request.data, context={"now": now})
+            window.is_valid(raise_exception=True)
+            try:
+                instants = backfill_occurrences(job=job, **window.validated_data)
+            except ValueError as exc:
+                raise serializers.ValidationError(
+                    {"end": [f"{exc}; backfill a shorter range."]}
+                ) from exc
+            result = job_backfill(job=job, instants=instants, actor=request.user, now=now)
+            if result is None:
+                job.refresh_from_db()
+                return Answer(
+                    status.HTTP_409_CONFLICT,
+                    {"detail": f"a {job.state} job cannot be backfilled", "state": job.state},
+                )
+            body = BackfillOutput(
+                {
+                    "created": [r.id for r in result.created],
+                    "existing": [r.id for r in result.existing],
+                }
+            ).data
+            return Answer(status.HTTP_201_CREATED, body)
+
+        return _answer(request, scope=f"jobs.{job.id}.backfill", produce=backfill)
+
+
+class VersionOutput(serializers.Serializer):
+    version = serializers.IntegerField()
+    created_at = serializers.DateTimeField()
+    created_by = serializers.CharField(allow_null=True)
+    spec = serializers.JSONField()
+    changes = serializers.ListField(
+        child=serializers.DictField(),
+        help_text="[{field, from, to}] against the previous version; nested fields dotted.",
+    )
+
+
+class EventOutput(serializers.Serializer):
+    created_at = serializers.DateTimeField()
+    actor = serializers.CharField(source="actor_label")
+    action = serializers.CharField()
+    run = serializers.UUIDField(source="run_id", allow_null=True)
+    data = serializers.JSONField()
+
+
+class HistoryOutput(serializers.Serializer):
+    versions = VersionOutput(many=True)
+    events = EventOutput(many=True)
+
+
+class JobHistoryApi(APIView):
+    @extend_schema(responses=HistoryOutput)
+    def get(self, request, job_id):
+        job = _visible_job(request, job_id)
+        return Response(HistoryOutput(job_history(job=job)).data)
+
+
+class OccurrenceOutput(serializers.Serializer):
+    at = serializers.DateTimeField(help_text="UTC.")
+    local = serializers.CharField(help_text="ISO 8601 in the schedule's zone, with offset.")
+    dst = serializers.ChoiceField(
+        choices=["", "gap_shifted", "fold_first", "fold_second"],
+        help_text="gap_shifted: moved to the end of a spring-forward gap; fold_first / "
+        "fold_second: one of the two instants of a repeated local time.",
+    )
+    doubled = serializers.BooleanField(
+        help_text="The same local time fires twice (fold: both, or auto with a wildcard hour)."
+    )
+
+
+class PreviewOutput(serializers.Serializer):
+    occurrences = OccurrenceOutput(many=True)
+
+
+def schedule_preview(*, schedule: dict, dst: dict, after: dt.datetime, count: int) -> list[dict]:
+    """The next `count` fire instants after `after`; an interval counts from `after`."""
+    found = []
+    for occurrence in schedules.occurrences(schedule, after=after, dst=dst, anchor=after):
+        found.append(occurrence)
+        if len(found) > count:  # one more, to tell whether the last is doubled
+            break
+    walls = [occ.local.replace(tzinfo=None) for occ in found]
+    return [
+        {
+            "at": occ.at,
+            "local": occ.local.isoformat(),
+            "dst": occ.dst,
+            "doubled": walls.count(walls[index]) > 1 and occ.dst.startswith("fold"),
+        }
+        for index, occ in enumerate(found[:count])
+    ]
+
+
+class SchedulePreviewApi(APIView):
+    @extend_schema(
+        request=PreviewSerializer,
+        responses=PreviewOutput,
+        examples=[
+            OpenApiExample(
+                "02:30 daily in New York across spring forward",
+                request_only=True,
+                value={
+                    "schedule": {
+                        "kind": "cron",
+                        "expression": "30 2 * * *",
+                        "timezone": "America/New_York",
+                    },
+                    "dst": {"gap": "shift", "fold": "auto"},
+                    "after": "2025-03-08T00:00:00Z",
+                    "count": 3,
+                },
+            )
+        ],
+    )
+    def post(self, request):
+        preview = PreviewSerializer(data=request.data)
+        preview.is_valid(raise_exception=True)
+        data = preview.validated_data
+        after = dt.datetime.fromisoformat(data["after"]) if data.get("after") else db_now()
+        try:
+            found = schedule_preview(
+                schedule=data["schedule"], dst=data["dst"], after=after, count=data["count"]
+            )
+        except schedules.ScheduleError as exc:
+            raise serializers.ValidationError({"schedule": [str(exc)]}) from exc
+        return Response(PreviewOutput({"occurrences": found}).data)
+
+
 class JobCancelApi(APIView):
-    @extend_schema(request=None, responses={200: JobOutput, 409: dict})
+    @extend_schema(request=None, responses={200: JobOutput, 409: Problem})
     def post(self, request, job_id):
         job = job_get(user=request.user, job_id=job_id)
         if job is None:
@@ -197,7 +612,7 @@ class JobCancelApi(APIView):
 
 
 class RunCancelApi(APIView):
-    @extend_schema(request=None, responses={200: RunOutput, 409: dict})
+    @extend_schema(request=None, responses={200: RunOutput, 409: Problem})
     def post(self, request, run_id):
         run = run_get(user=request.user, run_id=run_id)
         if run is None:
@@ -209,7 +624,7 @@ class RunCancelApi(APIView):
 
 
 class RunReplayApi(APIView):
-    @extend_schema(request=None, responses={200: RunOutput, 409: dict})
+    @extend_schema(request=None, responses={200: RunOutput, 409: Problem})
     def post(self, request, run_id):
         run = run_get(user=request.user, run_id=run_id)
         if run is None:

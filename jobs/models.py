@@ -76,6 +76,10 @@ class Job(models.Model):
     # Interval schedules count from here (or start_at): set by job_create, never auto.
     created_at = models.DateTimeField(default=timezone.now)
     updated_at = models.DateTimeField(auto_now=True)
+    # Set by the last resume: pause_after_failures counts only runs finished after it.
+    resumed_at = models.DateTimeField(null=True, blank=True)
+    # Soft delete: hidden from every read, kept with its versions, runs and audit trail.
+    deleted_at = models.DateTimeField(null=True, blank=True)
 
     class Meta:
         indexes = [
@@ -126,6 +130,8 @@ class Run(models.Model):
     failure_reason = models.CharField(
         max_length=32, choices=FailureReason.choices, blank=True, default=""
     )
+    # Why a run was skipped (misfire or overlap policy); empty for every other state.
+    skip_reason = models.CharField(max_length=200, blank=True, default="")
     result = models.JSONField(null=True, blank=True)
     # Per-stage timestamps: due -> created -> published -> started -> finished.
     due_at = models.DateTimeField()
@@ -149,6 +155,8 @@ class Run(models.Model):
                 name="run_retry_due_idx",
                 condition=Q(state="retry_wait"),
             ),
+            # The scheduler releases pending runs (jitter, buffer_one) once due.
+            models.Index(fields=["due_at"], name="run_pending_idx", condition=Q(state="pending")),
         ]
         constraints = [
             # One scheduled run per occurrence, however many scheduler replicas run.
@@ -156,6 +164,12 @@ class Run(models.Model):
                 fields=["job", "scheduled_for"],
                 name="run_one_per_occurrence",
                 condition=Q(kind="scheduled"),
+            ),
+            # Repeating a backfill over the same range creates nothing new.
+            models.UniqueConstraint(
+                fields=["job", "scheduled_for"],
+                name="run_one_backfill_per_occurrence",
+                condition=Q(kind="backfill"),
             ),
             models.CheckConstraint(condition=Q(state__in=RunState.values), name="run_state_valid"),
         ]
@@ -226,3 +240,32 @@ class AuditEvent(models.Model):
 
     def __str__(self) -> str:
         return f"{self.actor_label} {self.action}"
+
+
+class IdempotencyRecord(models.Model):
+    """The first successful answer to a request sent with an `Idempotency-Key` header.
+
+    A repeat of the same key and body, by the same owner on the same operation, gets this
+    answer again; another body gets 409. Kept for `IDEMPOTENCY_RETENTION`
+    (jobs.idempotency), then pruned.
+    """
+
+    owner = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="+")
+    # The operation: "jobs.create", "jobs.<id>.trigger", "jobs.<id>.backfill".
+    scope = models.CharField(max_length=100)
+    key = models.CharField(max_length=200)
+    request_hash = models.CharField(max_length=64)
+    response_status = models.PositiveSmallIntegerField()
+    response_body = models.JSONField()
+    created_at = models.DateTimeField()
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(
+                fields=["owner", "scope", "key"], name="idempotency_key_unique"
+            ),
+        ]
+        indexes = [models.Index(fields=["created_at"], name="idempotency_age_idx")]
+
+    def __str__(self) -> str:
+        return f"{self.scope} {self.key}"

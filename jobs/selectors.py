@@ -4,8 +4,13 @@ from __future__ import annotations
 
 from django.contrib.auth.models import AbstractBaseUser
 from django.db.models import Prefetch, QuerySet
+from django.db.models.fields.json import KeyTextTransform
 
-from .models import Attempt, Job, Run
+from .models import Attempt, AuditEvent, Job, JobVersion, Run
+from .services import spec_diff
+
+# A job's history lists at most this many versions and this many events, newest first.
+HISTORY_LIMIT = 1000
 
 
 def _sees_everything(user: AbstractBaseUser) -> bool:
@@ -13,13 +18,25 @@ def _sees_everything(user: AbstractBaseUser) -> bool:
 
 
 def job_list(*, user: AbstractBaseUser, filters: dict | None = None) -> QuerySet[Job]:
-    jobs = Job.objects.select_related("owner")
+    """The jobs `user` may see, deleted ones never. Filters: state, task, queue, label
+    (a (key, value) pair), created_after (inclusive), created_before (exclusive)."""
+    jobs = Job.objects.select_related("owner").filter(deleted_at=None)
     if not _sees_everything(user):
         jobs = jobs.filter(owner=user)
     filters = filters or {}
     for field in ("state", "task", "queue"):
         if filters.get(field):
             jobs = jobs.filter(**{field: filters[field]})
+    if filters.get("label"):
+        key, value = filters["label"]
+        # A key transform rather than `labels__contains`, which SQLite (the embedded
+        # default) does not have; and no `labels__<key>` lookup, which would read `__` in
+        # a key as a path.
+        jobs = jobs.alias(label_value=KeyTextTransform(key, "labels")).filter(label_value=value)
+    if filters.get("created_after"):
+        jobs = jobs.filter(created_at__gte=filters["created_after"])
+    if filters.get("created_before"):
+        jobs = jobs.filter(created_at__lt=filters["created_before"])
     return jobs
 
 
@@ -33,6 +50,7 @@ def run_list(*, user: AbstractBaseUser, filters: dict | None = None) -> QuerySet
     )
     if not _sees_everything(user):
         runs = runs.filter(job__owner=user)
+    runs = runs.filter(job__deleted_at=None)
     filters = filters or {}
     for field in ("job", "state", "kind"):
         if filters.get(field):
@@ -46,3 +64,26 @@ def run_list(*, user: AbstractBaseUser, filters: dict | None = None) -> QuerySet
 
 def run_get(*, user: AbstractBaseUser, run_id) -> Run | None:
     return run_list(user=user).filter(id=run_id).first()
+
+
+def job_history(*, job: Job) -> dict:
+    """Every version of a job with its field-level diff to the one before, and every
+    audit event of the job and its runs with its actor; newest first, bounded."""
+    versions = list(
+        JobVersion.objects.filter(job=job)
+        .select_related("created_by")
+        .order_by("-version")[: HISTORY_LIMIT + 1]
+    )
+    entries = []
+    for newer, older in zip(versions, [*versions[1:], None], strict=True):
+        entries.append(
+            {
+                "version": newer.version,
+                "created_at": newer.created_at,
+                "created_by": newer.created_by.get_username() if newer.created_by else None,
+                "spec": newer.spec,
+                "changes": spec_diff(older.spec, newer.spec) if older else [],
+            }
+        )
+    events = list(AuditEvent.objects.filter(job=job).order_by("-created_at", "-id")[:HISTORY_LIMIT])
+    return {"versions": entries[:HISTORY_LIMIT], "events": events}

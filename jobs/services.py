@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
+import uuid
 
 from django.contrib.auth.models import AbstractBaseUser
 from django.db import transaction
@@ -13,7 +15,7 @@ from dispatch.models import OutboxMessage, OutboxState
 from dispatch.outbox import outbox_enqueue_runs
 
 from . import schedules
-from .models import AttemptState, AuditEvent, Job, JobState, JobVersion, Run
+from .models import AttemptState, AuditEvent, Job, JobState, JobVersion, Run, RunKind, RunState
 from .retry import CAUSE_LOST, CAUSE_TIMEOUT, failure_outcome
 from .transitions import (
     ACTIVE_RUN_STATES,
@@ -21,6 +23,13 @@ from .transitions import (
     run_cancel,
     run_replay,
 )
+
+# Job states in which its spec may change and operators may act on it.
+LIVE_JOB_STATES = (JobState.ACTIVE, JobState.PAUSED)
+# A backfill creates at most this many runs; a larger range is refused with 400.
+BACKFILL_MAX_RUNS = 1000
+# Spec fields whose change moves the next occurrence.
+SCHEDULE_FIELDS = ("schedule", "dst", "start_at", "end_at")
 
 
 def _anchor(spec: dict, created_at: dt.datetime) -> dt.datetime:
@@ -146,6 +155,10 @@ def attempt_record_failure(
             )  # fmt: skip
         if attempt_to == AttemptState.LOST:
             counter_increment("scheduler_lease_expired_total")
+        if retry_at is None:
+            job = Job.objects.filter(runs__id=attempt.run_id).first()
+            if job is not None and job.spec.get("pause_after_failures"):
+                job_pause_if_failing(job=job, now=now)
     return "retry_wait" if retry_at else "failed"
 
 
@@ -211,3 +224,270 @@ def job_cancel(*, job: Job, actor: AbstractBaseUser, now: dt.datetime) -> bool:
         for run in Run.objects.filter(job=job, state__in=ACTIVE_RUN_STATES):
             run_cancel_request(run=run, actor=actor, now=now)
     return True
+
+
+def _audit(
+    *, job: Job, actor: AbstractBaseUser | None, action: str, data: dict, by: str = "scheduler"
+):
+    return AuditEvent.objects.create(
+        actor=actor,
+        actor_label=actor_label(actor) if actor else f"system:{by}",
+        action=action,
+        job=job,
+        data=data,
+    )
+
+
+def job_resume_point(
+    *, spec: dict, created_at: dt.datetime, now: dt.datetime
+) -> dt.datetime | None:
+    """The next occurrence of an edited schedule: at or after now, on the job's own grid
+    (an interval keeps counting from start_at or the job's creation)."""
+    if spec["schedule"]["kind"] == "once":
+        return job_first_fire(spec=spec, now=now)
+    return job_next_fire(spec=spec, created_at=created_at, after=now - dt.timedelta(microseconds=1))
+
+
+def job_update(
+    *, job: Job, spec: dict, expected_version: int, actor: AbstractBaseUser, now: dt.datetime
+) -> bool:
+    """Replace a live job's spec (already validated whole) with a new version.
+
+    One conditional UPDATE on (id, version, live state): of two concurrent edits of one
+    version, one wins and the other changes nothing and gets False. Runs already created
+    keep the version that created them; a schedule change moves next_run_at.
+    """
+    changed = spec_diff(job.spec, spec)
+    fields = {
+        "spec": spec,
+        "name": spec["name"],
+        "task": spec["task"],
+        "queue": spec["queue"],
+        "priority": spec["priority"],
+        "labels": spec["labels"],
+        "version": expected_version + 1,
+        "updated_at": now,
+    }
+    if any(job.spec.get(field) != spec.get(field) for field in SCHEDULE_FIELDS):
+        fields["next_run_at"] = job_resume_point(spec=spec, created_at=job.created_at, now=now)
+    with transaction.atomic():
+        won = Job.objects.filter(
+            id=job.id, version=expected_version, state__in=LIVE_JOB_STATES, deleted_at=None
+        ).update(**fields)
+        if not won:
+            return False
+        JobVersion.objects.create(
+            job=job, version=expected_version + 1, spec=spec, created_by=actor
+        )
+        _audit(
+            job=job,
+            actor=actor,
+            action="job.updated",
+            data={"version": expected_version + 1, "changed": [c["field"] for c in changed]},
+        )
+    return True
+
+
+def spec_diff(before: dict, after: dict) -> list[dict]:
+    """Field-level changes between two specs, nested objects by dotted path."""
+    changes = []
+    for key in sorted(set(before) | set(after)):
+        old, new = before.get(key), after.get(key)
+        if isinstance(old, dict) and isinstance(new, dict) and key != "labels":
+            changes += [
+                {**change, "field": f"{key}.{change['field']}"} for change in spec_diff(old, new)
+            ]
+        elif old != new:
+            changes.append({"field": key, "from": old, "to": new})
+    return changes
+
+
+def _job_move(*, job: Job, to: str, from_states, **fields) -> bool:
+    """One conditional UPDATE of a job's state; whether it won."""
+    return bool(
+        Job.objects.filter(id=job.id, state__in=list(from_states), deleted_at=None).update(
+            state=to, **fields
+        )
+    )
+
+
+def job_pause(
+    *, job: Job, actor: AbstractBaseUser | None, now: dt.datetime, reason: str = ""
+) -> bool:
+    """active -> paused: no new occurrence is materialized; runs already created go on.
+    False when the job is not active."""
+    with transaction.atomic():
+        if not _job_move(
+            job=job, to=JobState.PAUSED, from_states=[JobState.ACTIVE], updated_at=now
+        ):
+            return False
+        _audit(job=job, actor=actor, action="job.paused", data={"reason": reason} if reason else {})
+    return True
+
+
+def job_resume(*, job: Job, actor: AbstractBaseUser, now: dt.datetime) -> bool:
+    """paused -> active. next_run_at was left where the pause found it, so the scheduler's
+    next pass applies the job's misfire policy to every occurrence missed meanwhile."""
+    with transaction.atomic():
+        if not _job_move(
+            job=job,
+            to=JobState.ACTIVE,
+            from_states=[JobState.PAUSED],
+            updated_at=now,
+            resumed_at=now,
+        ):
+            return False
+        _audit(job=job, actor=actor, action="job.resumed", data={})
+    return True
+
+
+def job_delete(*, job: Job, actor: AbstractBaseUser, now: dt.datetime) -> bool:
+    """Soft delete: cancel the job (and its active runs) if it is live, then hide it.
+    Versions, runs and the audit trail stay. False when it was already deleted."""
+    with transaction.atomic():
+        job_cancel(job=job, actor=actor, now=now)
+        if not Job.objects.filter(id=job.id, deleted_at=None).update(deleted_at=now):
+            return False
+        _audit(job=job, actor=actor, action="job.deleted", data={})
+    return True
+
+
+def _current_version(job: Job) -> JobVersion:
+    return JobVersion.objects.get(job=job, version=job.version)
+
+
+def _lock_live_job(job: Job) -> Job | None:
+    """The job's row, locked until the caller's transaction ends, if it is still live: a
+    concurrent cancel or delete waits for it, or it sees theirs."""
+    return (
+        Job.objects.select_for_update()
+        .filter(id=job.id, state__in=LIVE_JOB_STATES, deleted_at=None)
+        .first()
+    )
+
+
+def job_trigger(*, job: Job, actor: AbstractBaseUser, now: dt.datetime) -> Run | None:
+    """A manual run now, queued with its outbox row, on the job's current version.
+
+    Allowed on an active or a paused job (an operator asked for it explicitly); overlap and
+    misfire policies do not apply to it. None when the job is cancelled, completed or gone.
+    """
+    with transaction.atomic():
+        locked = _lock_live_job(job)
+        if locked is None:
+            return None
+        run = Run.objects.create(
+            job=locked,
+            job_version=_current_version(locked),
+            kind=RunKind.MANUAL,
+            state=RunState.QUEUED,
+            scheduled_for=now,
+            due_at=now,
+            created_at=now,
+            idempotency_key=f"{job.id}:manual:{uuid.uuid4().hex}",
+        )
+        outbox_enqueue_runs(runs=[run], now=now)
+        AuditEvent.objects.create(
+            actor=actor,
+            actor_label=actor_label(actor),
+            action="job.triggered",
+            job=locked,
+            run=run,
+            data={"version": locked.version},
+        )
+    return run
+
+
+def backfill_occurrences(
+    *, job: Job, start: dt.datetime, end: dt.datetime, limit: int = BACKFILL_MAX_RUNS
+) -> list[dt.datetime]:
+    """The job's occurrences in [start, end), by its current schedule and DST policy
+    (start_at/end_at do not bound an explicit backfill). ValueError past `limit`."""
+    anchor = _anchor(job.spec, job.created_at)
+    found = []
+    for occurrence in schedules.occurrences(
+        job.spec["schedule"],
+        after=start - dt.timedelta(microseconds=1),
+        dst=job.spec.get("dst"),
+        anchor=anchor,
+    ):
+        if occurrence.at >= end:
+            break
+        if len(found) == limit:
+            raise ValueError(f"the range holds more than {limit} occurrences")
+        found.append(occurrence.at)
+    return found
+
+
+def backfill_idempotency_key(job_id, scheduled_for: dt.datetime) -> str:
+    return f"{job_id}:backfill:{scheduled_for.astimezone(dt.UTC):%Y%m%dT%H%M%S.%fZ}"
+
+
+@dataclasses.dataclass(frozen=True)
+class BackfillResult:
+    created: list[Run]
+    existing: list[Run]
+
+
+def job_backfill(
+    *, job: Job, instants: list[dt.datetime], actor: AbstractBaseUser, now: dt.datetime
+) -> BackfillResult | None:
+    """One `backfill` run per instant, queued now; an instant that already has its backfill
+    run keeps it (the job's row lock serializes backfills, `run_one_backfill_per_occurrence`
+    is the backstop). None when the job is not live."""
+    with transaction.atomic():
+        locked = _lock_live_job(job)
+        if locked is None:
+            return None
+        existing = list(
+            Run.objects.filter(job=locked, kind=RunKind.BACKFILL, scheduled_for__in=instants)
+        )
+        have = {run.scheduled_for for run in existing}
+        version = _current_version(locked)
+        created = [
+            Run(
+                job=locked,
+                job_version=version,
+                kind=RunKind.BACKFILL,
+                state=RunState.QUEUED,
+                scheduled_for=at,
+                due_at=now,
+                created_at=now,
+                idempotency_key=backfill_idempotency_key(job.id, at),
+            )
+            for at in instants
+            if at not in have
+        ]
+        Run.objects.bulk_create(created)
+        outbox_enqueue_runs(runs=created, now=now)
+        AuditEvent.objects.create(
+            actor=actor,
+            actor_label=actor_label(actor),
+            action="job.backfilled",
+            job=locked,
+            data={
+                "start": instants[0].isoformat() if instants else None,
+                "end": instants[-1].isoformat() if instants else None,
+                "created": len(created),
+                "existing": len(existing),
+            },
+        )
+    return BackfillResult(created=created, existing=existing)
+
+
+def job_pause_if_failing(*, job: Job, now: dt.datetime) -> bool:
+    """Pause an active job whose last `pause_after_failures` finished runs (since its last
+    resume) all failed. Called by the scheduler before it materializes the job's next
+    occurrence, and meant to be called where a run becomes failed. Whether it paused."""
+    limit = job.spec.get("pause_after_failures")
+    if not limit or job.state != JobState.ACTIVE:
+        return False
+    finished = Run.objects.filter(
+        job=job, state__in=[RunState.SUCCEEDED, RunState.FAILED], finished_at__isnull=False
+    )
+    if job.resumed_at:
+        finished = finished.filter(finished_at__gt=job.resumed_at)
+    last = list(finished.order_by("-finished_at", "-id").values_list("state", flat=True)[:limit])
+    if len(last) < limit or any(state != RunState.FAILED for state in last):
+        return False
+    return job_pause(job=job, actor=None, now=now, reason=f"{limit} consecutive failed runs")

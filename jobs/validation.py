@@ -175,8 +175,26 @@ class DstSerializer(StrictSerializer):
     fold = serializers.ChoiceField(choices=list(schedules.FOLD_POLICIES), default="auto")
 
 
+# Server-managed fields of a job: refused in a body with their own message.
+READ_ONLY_JOB_FIELDS = ("id", "owner", "state", "version", "next_run_at", "created_at",
+                        "updated_at", "deleted_at")  # fmt: skip
+
+
+def refuse_read_only(data) -> None:
+    if isinstance(data, dict):
+        given = [key for key in READ_ONLY_JOB_FIELDS if key in data]
+        if given:
+            raise serializers.ValidationError(
+                {key: ["Read-only: set by the server, not through the API."] for key in given}
+            )
+
+
 class JobSpecSerializer(StrictSerializer):
     """Everything a user may set on a job. Server-managed fields are not here at all."""
+
+    def to_internal_value(self, data):
+        refuse_read_only(data)
+        return super().to_internal_value(data)
 
     name = serializers.CharField(max_length=200)
     task = serializers.CharField(max_length=200)
@@ -260,3 +278,49 @@ class JobSpecSerializer(StrictSerializer):
                 {"end_at": ["The schedule has no occurrence before end_at."]}
             )
         return attrs
+
+
+def job_patched_spec(*, spec: dict, patch) -> dict:
+    """A job's spec with `patch` applied and the result validated whole, by the rules of
+    creation. A top-level field given replaces the stored one entirely (a nested object
+    such as `schedule` or `retry` is given whole; omitted nested fields take their
+    defaults). ValidationError names each bad field."""
+    if not isinstance(patch, dict):
+        raise serializers.ValidationError({"non_field_errors": ["Must be a JSON object."]})
+    refuse_read_only(patch)
+    unknown = sorted(set(patch) - set(JobSpecSerializer().fields))
+    if unknown:
+        raise serializers.ValidationError({key: ["Unknown field."] for key in unknown})
+    merged = JobSpecSerializer(data={**spec, **patch})
+    merged.is_valid(raise_exception=True)
+    return dict(merged.validated_data)
+
+
+class PreviewSerializer(StrictSerializer):
+    schedule = ScheduleSerializer()
+    dst = DstSerializer(default=dict)
+    after = AwareDateTimeField(
+        required=False, help_text="Fire instants strictly after this one; default now."
+    )
+    count = StrictIntegerField(min_value=1, max_value=100, default=10)
+
+    def validate(self, attrs):
+        if not attrs["dst"]:
+            attrs["dst"] = dict(DstSerializer().run_validation({}))
+        return attrs
+
+
+class BackfillSerializer(StrictSerializer):
+    start = AwareDateTimeField(help_text="Inclusive.")
+    end = AwareDateTimeField(help_text="Exclusive; not later than now.")
+
+    def validate(self, attrs):
+        start = dt.datetime.fromisoformat(attrs["start"])
+        end = dt.datetime.fromisoformat(attrs["end"])
+        if end <= start:
+            raise serializers.ValidationError({"end": ["Must be later than start."]})
+        if end > self.context["now"]:
+            raise serializers.ValidationError(
+                {"end": ["Must not be in the future: the scheduler runs future occurrences."]}
+            )
+        return {"start": start, "end": end}

@@ -207,11 +207,13 @@ def test_invalid_field_answers_400_naming_it_and_creates_nothing(api, body, path
 @pytest.mark.parametrize(
     "field", ["state", "owner", "version", "next_run_at", "id", "created_at", "updated_at"]
 )
-def test_server_managed_fields_are_refused_as_unknown(api, field):
+def test_server_managed_fields_are_refused_as_read_only(api, field):
     """The body cannot set what the server manages; the value is not silently dropped."""
     response = api.post(JOBS_URL, valid_body(**{field: "x"}), format="json")
     assert response.status_code == 400
-    assert error_at(response.json(), (field,)) == ["Unknown field."]
+    assert error_at(response.json(), (field,)) == [
+        "Read-only: set by the server, not through the API."
+    ]
     assert_nothing_created()
 
 

@@ -1,0 +1,115 @@
+"""Concurrent requests on one job, from two threads with their own connections: two PATCHes
+of one version (one wins, one 412) and two creations with one Idempotency-Key (one job).
+
+The main thread holds a lock the requests need until both are waiting on it, so the race is
+the one under test every time, not whichever order the threads happen to run in."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+from django.db import connection, connections, transaction
+from django.utils import timezone
+from rest_framework.authtoken.models import Token
+from rest_framework.test import APIClient
+
+from jobs.models import IdempotencyRecord, Job, JobVersion
+from tests.jobs.test_api_validation import valid_body
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+def client_for(user) -> APIClient:
+    client = APIClient()
+    client.credentials(HTTP_AUTHORIZATION=f"Token {Token.objects.get_or_create(user=user)[0].key}")
+    return client
+
+
+def in_threads(*requests) -> list:
+    """Run each request in its own thread (and database connection); their responses."""
+    responses: list = [None] * len(requests)
+
+    def call(index, request):
+        try:
+            responses[index] = request()
+        finally:
+            connections.close_all()
+
+    threads = [threading.Thread(target=call, args=(i, r)) for i, r in enumerate(requests)]
+    for thread in threads:
+        thread.start()
+    return threads, responses
+
+
+def wait_for_lock_waiters(count: int) -> None:
+    """Until `count` other sessions wait on a lock (the main thread's)."""
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        with connections["default"].cursor() as cursor:
+            # Statistics views are a snapshot per transaction, and this one is open.
+            cursor.execute("SELECT pg_stat_clear_snapshot()")
+            cursor.execute(
+                "SELECT count(*) FROM pg_stat_activity "
+                "WHERE datname = current_database() AND wait_event_type = 'Lock'"
+            )
+            if cursor.fetchone()[0] >= count:
+                return
+        time.sleep(0.02)
+    raise AssertionError(f"{count} requests never waited on the lock")
+
+
+def test_two_concurrent_patches_of_one_version_one_wins_one_gets_412(user):
+    client = client_for(user)
+    job = client.post("/api/v1/jobs/", valid_body(), format="json").json()
+
+    def rename(name):
+        return lambda: client_for(user).patch(
+            f"/api/v1/jobs/{job['id']}/", {"name": name}, format="json", HTTP_IF_MATCH="1"
+        )
+
+    with transaction.atomic():
+        # Both requests read version 1, then queue behind this row lock with their UPDATE.
+        Job.objects.select_for_update().get(id=job["id"])
+        threads, responses = in_threads(rename("left"), rename("right"))
+        wait_for_lock_waiters(2)
+    for thread in threads:
+        thread.join(30)
+
+    assert sorted(r.status_code for r in responses) == [200, 412]
+    winner = next(r for r in responses if r.status_code == 200).json()["name"]
+    stored = Job.objects.get(id=job["id"])
+    assert (stored.version, stored.name) == (2, winner)
+    assert JobVersion.objects.filter(job_id=job["id"]).count() == 2
+    connection.close()
+
+
+def test_two_concurrent_creations_with_one_key_make_one_job(user):
+    def post():
+        return client_for(user).post(
+            "/api/v1/jobs/", valid_body(), format="json", HTTP_IDEMPOTENCY_KEY="same"
+        )
+
+    with transaction.atomic():
+        # A third holder of the key: both requests block on the unique index behind it.
+        IdempotencyRecord.objects.create(
+            owner=user,
+            scope="jobs.create",
+            key="same",
+            request_hash="-",
+            response_status=0,
+            response_body={},
+            created_at=timezone.now(),
+        )
+        threads, responses = in_threads(post, post)
+        wait_for_lock_waiters(2)
+        transaction.set_rollback(True)  # ...and then gives it up
+    for thread in threads:
+        thread.join(30)
+
+    assert [r.status_code for r in responses] == [201, 201]
+    assert responses[0].json() == responses[1].json()
+    assert Job.objects.count() == 1
+    assert IdempotencyRecord.objects.count() == 1
+    connection.close()
