@@ -13,12 +13,15 @@ from __future__ import annotations
 import dataclasses
 import datetime as dt
 import logging
+import time
 
+from django.db import OperationalError, connection, transaction
 from django.db.models import Q
 
 from jobs.models import Attempt, AttemptState
 from jobs.retry import CAUSE_LOST, CAUSE_TIMEOUT
 from jobs.services import attempt_record_failure
+from jobs.transitions import attempt_abandon
 
 from .relay import HARD_TIME_LIMIT_GRACE
 
@@ -32,6 +35,11 @@ class ReaperConfig:
     # After its deadline, the worker's own soft and hard time limits get this long to end
     # the attempt; past it the reaper ends it (a pool that cannot enforce limits).
     deadline_grace_seconds: float = HARD_TIME_LIMIT_GRACE + 15
+    # How long ending one attempt may wait for its run's row lock before moving on.
+    lock_timeout_seconds: float = 2.0
+    # After the database was unreachable, reap nothing until it has answered this long:
+    # workers' lease keepers need the time to renew leases that lapsed during the outage.
+    recovery_grace_seconds: float = 5.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,6 +47,30 @@ class ReaperResult:
     lost: int
     timed_out: int
     batch_full: bool
+
+
+def _bounded_lock_wait(seconds: float) -> None:
+    if connection.vendor == "postgresql":
+        with connection.cursor() as cursor:
+            cursor.execute(f"SET LOCAL lock_timeout = '{int(seconds * 1000)}ms'")
+
+
+class OutageGrace:
+    """Holds the reaper back right after the database comes back (see ReaperConfig)."""
+
+    def __init__(self, seconds: float, clock=time.monotonic) -> None:
+        self.seconds = seconds
+        self.clock = clock
+        self.healthy_since: float | None = None
+
+    def outage(self, _exc: BaseException | None = None) -> None:
+        self.healthy_since = None
+
+    def ready(self) -> bool:
+        """True once the database has answered for `seconds` without an outage."""
+        if self.healthy_since is None:
+            self.healthy_since = self.clock()
+        return self.clock() - self.healthy_since >= self.seconds
 
 
 def reaper_run_once(*, now: dt.datetime, config: ReaperConfig) -> ReaperResult:
@@ -59,21 +91,34 @@ def reaper_run_once(*, now: dt.datetime, config: ReaperConfig) -> ReaperResult:
             else CAUSE_LOST
         )
         run = attempt.run
-        outcome = attempt_record_failure(
-            attempt=attempt,
-            spec=run.job_version.spec,
-            retry_base=run.retry_base,
-            cause=cause,
-            error=(
-                f"lease expired at {attempt.lease_expires_at.isoformat()}"
-                if cause == CAUSE_LOST
-                else f"ran past its deadline {attempt.deadline_at.isoformat()}"
-            ),
-            now=now,
-            by="reaper",
-            # Still expired when ended: a lease renewed since the read above wins.
-            only_if=expired,
+        error = (
+            f"lease expired at {attempt.lease_expires_at.isoformat()}"
+            if cause == CAUSE_LOST
+            else f"ran past its deadline {attempt.deadline_at.isoformat()}"
         )
+        try:
+            with transaction.atomic():
+                _bounded_lock_wait(config.lock_timeout_seconds)
+                outcome = attempt_record_failure(
+                    attempt=attempt,
+                    spec=run.job_version.spec,
+                    retry_base=run.retry_base,
+                    cause=cause,
+                    error=error,
+                    now=now,
+                    by="reaper",
+                    # Still expired when ended: a lease renewed since the read above wins.
+                    only_if=expired,
+                )
+                if outcome is None and attempt_abandon(attempt=attempt, now=now, error=error):
+                    # Its run moved on without it (a bug or a hand edit): end it alone, or
+                    # it would be read again on every pass.
+                    log.error("attempt %s of run %s was orphaned; ended", attempt.number, run.id)
+        except OperationalError:
+            # The run row is locked, by a worker inside a `ctx.effect` block (frozen, or
+            # slow): skip it this pass rather than stall every other expired attempt.
+            log.warning("run %s is locked; its expired attempt is retried next pass", run.id)
+            continue
         if outcome is None:
             continue
         log.warning(

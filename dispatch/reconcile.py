@@ -38,6 +38,10 @@ log = logging.getLogger("dispatch.reconcile")
 QueueDepth = Callable[[str], "int | None"]
 
 
+BACKOFF_STEPS = 6  # the wait before a re-publication doubles up to 2**6 times
+MAX_QUEUES = 1000  # queue depths asked per pass
+
+
 @dataclasses.dataclass(frozen=True)
 class ReconcileConfig:
     batch_size: int = 200
@@ -89,8 +93,18 @@ def _republish_lost_messages(
     *, now: dt.datetime, config: ReconcileConfig, queue_depth: QueueDepth
 ) -> tuple[int, int]:
     latest = OutboxMessage.objects.filter(run=OuterRef("pk")).order_by("-id")
+    wait = dt.timedelta(seconds=config.queued_after_seconds)
+    # Each re-publication waits twice as long as the one before (up to 64x): in SQL, so
+    # that runs still waiting out their back-off never fill the batch.
+    backed_off = Q(
+        republish_count__gte=BACKOFF_STEPS, last_published_at__lt=now - wait * 2**BACKOFF_STEPS
+    )
+    for count in range(BACKOFF_STEPS):
+        backed_off |= Q(republish_count=count, last_published_at__lt=now - wait * 2**count)
     candidates = (
-        Run.objects.filter(state=RunState.QUEUED)
+        # Queued for longer than the wait (every transition stamps updated_at): an index
+        # range first, then the per-run subqueries.
+        Run.objects.filter(state=RunState.QUEUED, updated_at__lt=now - wait)
         .annotate(
             last_message_state=Subquery(latest.values("state")[:1]),
             last_published_at=Subquery(latest.values("published_at")[:1]),
@@ -98,15 +112,14 @@ def _republish_lost_messages(
         )
         .filter(
             Q(last_message_state__isnull=True)
-            | Q(
-                last_message_state=OutboxState.PUBLISHED,
-                last_published_at__lt=now - dt.timedelta(seconds=config.queued_after_seconds),
-            )
+            | Q(backed_off, last_message_state=OutboxState.PUBLISHED)
         )
     )
     # Only queues with nothing waiting in them: elsewhere the message may still be in line.
     # Asked per queue first, so that a backlog on one queue never starves the others.
-    queues = sorted(set(candidates.values_list("last_queue", flat=True)[:1000]))
+    queues = sorted(
+        candidates.order_by().values_list("last_queue", flat=True).distinct()[:MAX_QUEUES]
+    )
     idle = [queue for queue in queues if queue_depth(queue) == 0]
     runs = list(
         candidates.filter(last_queue__in=idle)
@@ -116,10 +129,6 @@ def _republish_lost_messages(
     )
     republished = undeliverable = 0
     for run in runs:
-        # Each re-publication waits twice as long as the one before (capped at 64x).
-        backoff = config.queued_after_seconds * 2 ** min(run.republish_count, 6)
-        if run.last_published_at and run.last_published_at > now - dt.timedelta(seconds=backoff):
-            continue
         if config.max_republish is not None and run.republish_count >= config.max_republish:
             if run_give_up(run_id=run.id, now=now, reason="undeliverable"):
                 undeliverable += 1

@@ -48,6 +48,9 @@ class LeaseKeeper:
         self.lease_seconds = lease_seconds
         self.interval = max(0.5, lease_seconds / 3)
         self.lost = threading.Event()
+        # While renewals fail (the database is away), retry every half second, so that the
+        # lease is renewed as soon as it returns, before the reaper's next look.
+        self.failing = False
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="lease-keeper", daemon=True)
 
@@ -68,7 +71,9 @@ class LeaseKeeper:
         except DatabaseError:
             log.warning("lease renewal failed; retrying", exc_info=True)
             connection.close()
+            self.failing = True
             return not self.lost.is_set()
+        self.failing = False
         if not renewed and not self.lost.is_set():
             self.lost.set()
             if self._was_cancelled():
@@ -89,7 +94,9 @@ class LeaseKeeper:
 
     def _run(self) -> None:
         try:
-            while not self._stop.wait(self.interval) and not self.lost.is_set():
+            while not self._stop.wait(0.5 if self.failing else self.interval):
+                if self.lost.is_set():
+                    break
                 self.renew()
         finally:
             connection.close()
@@ -181,6 +188,11 @@ def _with_database_retries(write: Callable[[], T]) -> T:
     while True:
         try:
             return write()
+        except SoftTimeLimitExceeded:
+            # Celery's soft limit landed during the write itself: the outcome is known, so
+            # record it anyway (the hard limit, 15 s later, still bounds the process).
+            log.warning("the soft time limit interrupted recording an outcome; retrying")
+            continue
         except (OperationalError, InterfaceError):  # the database is unreachable, not the data
             if time.monotonic() > deadline:
                 raise
@@ -220,6 +232,24 @@ def _cause(exc: BaseException) -> str:
     return CAUSE_ERROR
 
 
+def _failure_writer(*, run: Run, attempt: Attempt, exc: BaseException, worker: str):
+    error = "".join(traceback.format_exception(exc))[-8000:].replace("\x00", "")
+    cause = _cause(exc)
+
+    def write() -> str | None:
+        return attempt_record_failure(
+            attempt=attempt,
+            spec=run.job_version.spec,
+            retry_base=run.retry_base,
+            cause=cause,
+            error=error,
+            now=db_now(),
+            by=f"worker:{worker}",
+        )
+
+    return write
+
+
 def run_execute_delivery(*, run_id: str, handler: Callable, worker: str, message_id: str) -> dict:
     """Claim, run and complete one delivered run. Returns a summary for Celery's log."""
     try:
@@ -256,21 +286,14 @@ def run_execute_delivery(*, run_id: str, handler: Callable, worker: str, message
     )
     try:
         result = handler(ctx, *spec["args"], **spec["kwargs"])
-    except Exception as exc:  # noqa: BLE001 - every handler error is the attempt's outcome
+    except BaseException as exc:  # noqa: BLE001 - every handler error is the attempt's outcome
         keeper.stop()
-        error = "".join(traceback.format_exception(exc))[-8000:].replace("\x00", "")
-        cause = _cause(exc)
-
-        def write() -> str | None:
-            return attempt_record_failure(
-                attempt=attempt,
-                spec=spec,
-                retry_base=run.retry_base,
-                cause=cause,
-                error=error,
-                now=db_now(),
-                by=f"worker:{worker}",
-            )
+        write = _failure_writer(run=run, attempt=attempt, exc=exc, worker=worker)
+        if not isinstance(exc, Exception):
+            # KeyboardInterrupt, SystemExit, CancelledError: recorded, then left to end the
+            # task as they mean to; the lease keeper is stopped either way.
+            _with_database_retries(write)
+            raise
     else:
         keeper.stop()
 

@@ -58,7 +58,7 @@ def _move_runs(
 
 def runs_requeue(*, run_ids: list) -> int:
     """retry_wait/pending -> queued (the caller writes the outbox rows in the same transaction)."""
-    return _move_runs(run_ids, RunState.QUEUED, next_attempt_at=None)
+    return _move_runs(run_ids, RunState.QUEUED, next_attempt_at=None, republish_count=0)
 
 
 def run_replay(*, run_id) -> bool:
@@ -82,9 +82,16 @@ def run_cancel(*, run_id, now: dt.datetime) -> bool:
     """Any active state -> cancelled; a running attempt ends `cancelled` in the same
     transaction, so its later heartbeat, effect or completion is refused."""
     with transaction.atomic():
+        # Attempt before run, the order every completion (`_finish`) locks them in: the
+        # opposite order deadlocks against a worker or the reaper ending the same attempt.
+        running = list(
+            Attempt.objects.select_for_update()
+            .filter(run_id=run_id, state=AttemptState.RUNNING)
+            .values_list("id", flat=True)
+        )
         cancelled = _move_runs([run_id], RunState.CANCELLED, finished_at=now, next_attempt_at=None)
-        if cancelled:
-            Attempt.objects.filter(run_id=run_id, state=AttemptState.RUNNING).update(
+        if cancelled and running:
+            Attempt.objects.filter(id__in=running, state=AttemptState.RUNNING).update(
                 state=AttemptState.CANCELLED, finished_at=now, error="cancelled by request"
             )
         return bool(cancelled)
@@ -171,14 +178,26 @@ def run_claim(
 
 def attempt_renew_lease(*, attempt: Attempt, now: dt.datetime, lease_seconds: float) -> bool:
     """Extend the lease of a running attempt that still holds the current token."""
+    # Conditioned on the attempt row alone: every path that moves a run out of `running`
+    # ends its running attempt in the same transaction, and a condition through a join is
+    # not re-checked by PostgreSQL after waiting on the row (READ COMMITTED), so it could
+    # renew an attempt the reaper ended meanwhile.
     return bool(
         Attempt.objects.filter(
-            id=attempt.id,
-            state=AttemptState.RUNNING,
-            fencing_token=attempt.fencing_token,
-            run__fencing_token=attempt.fencing_token,
-            run__state=RunState.RUNNING,
+            id=attempt.id, state=AttemptState.RUNNING, fencing_token=attempt.fencing_token
         ).update(heartbeat_at=now, lease_expires_at=now + dt.timedelta(seconds=lease_seconds))
+    )
+
+
+def attempt_abandon(*, attempt: Attempt, now: dt.datetime, error: str) -> bool:
+    """running -> lost for an attempt whose run no longer carries its token (only a bug or
+    a hand edit makes one); the run is left as it is."""
+    return bool(
+        Attempt.objects.filter(
+            id=attempt.id, state=AttemptState.RUNNING, fencing_token=attempt.fencing_token
+        )
+        .exclude(run__fencing_token=attempt.fencing_token, run__state=RunState.RUNNING)
+        .update(state=AttemptState.LOST, finished_at=now, error=error)
     )
 
 
@@ -205,7 +224,13 @@ def _finish(
         finished = rows.update(state=attempt_to, finished_at=now, error=error)
         if not finished:
             return False
-        if not _move_runs([attempt.run_id], run_to, token=attempt.fencing_token, **run_fields):
+        if not _move_runs(
+            [attempt.run_id],
+            run_to,
+            token=attempt.fencing_token,
+            from_states=[RunState.RUNNING],
+            **run_fields,
+        ):
             transaction.set_rollback(True)
             return False
         return True

@@ -83,6 +83,18 @@ def _database(url: str) -> dict:
             "transaction_mode": "IMMEDIATE",
             "timeout": 30,
         }
+    elif config["ENGINE"] == "django.db.backends.postgresql":
+        config["OPTIONS"] = {
+            # A peer that vanished (a partitioned or frozen worker) is found within about
+            # a minute, and a session left idle inside a transaction (a handler frozen in a
+            # `ctx.effect` block) is ended after 10 minutes, releasing the run row it locks.
+            "keepalives": 1,
+            "keepalives_idle": 30,
+            "keepalives_interval": 10,
+            "keepalives_count": 3,
+            "options": "-c idle_in_transaction_session_timeout=600000",
+            **config.get("OPTIONS", {}),
+        }
     return config
 
 

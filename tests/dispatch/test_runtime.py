@@ -7,7 +7,7 @@ import pytest
 from dispatch.models import Counter, Effect
 from dispatch.runtime import StaleAttempt, run_execute_delivery
 from dispatch.scheduler import SchedulerConfig, scheduler_run_once
-from jobs.models import AuditEvent, Run, RunState
+from jobs.models import Attempt, AttemptState, AuditEvent, Run, RunState
 
 NOW = dt.datetime(2030, 1, 1, 12, 0, tzinfo=dt.UTC)
 
@@ -108,7 +108,9 @@ def test_a_superseded_attempt_can_neither_record_an_effect_nor_complete(queued_r
     outcomes = []
 
     def handler(ctx):
-        # Another attempt took the run over (as after a lease expiry): the token moved on.
+        # Another attempt took the run over, as after a lease expiry: the reaper ended this
+        # attempt, and a new claim moved the token on.
+        Attempt.objects.filter(run_id=ctx.run_id).update(state=AttemptState.LOST)
         Run.objects.filter(id=ctx.run_id).update(fencing_token=ctx.fencing_token + 1)
         try:
             with ctx.effect("charge"):

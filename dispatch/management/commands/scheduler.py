@@ -5,7 +5,7 @@ from django.core.management.base import BaseCommand
 
 from dispatch.clock import db_now
 from dispatch.loop import StopSignal, run_loop
-from dispatch.reaper import ReaperConfig, reaper_run_once
+from dispatch.reaper import OutageGrace, ReaperConfig, reaper_run_once
 from dispatch.reconcile import BrokerQueueDepth, ReconcileConfig, reconcile_run_once
 from dispatch.scheduler import SchedulerConfig, scheduler_run_once, scheduler_sleep_seconds
 
@@ -71,12 +71,16 @@ class Command(BaseCommand):
 
     def reaper_loop(self, stop: StopSignal) -> None:
         config = ReaperConfig()
+        grace = OutageGrace(config.recovery_grace_seconds)
 
         def step() -> float:
-            result = reaper_run_once(now=db_now(), config=config)
+            now = db_now()  # fails while the database is away, which restarts the grace
+            if not grace.ready():
+                return config.poll_interval
+            result = reaper_run_once(now=now, config=config)
             return 0.0 if result.batch_full else config.poll_interval
 
-        run_loop(step, name="reaper", stop=stop)
+        run_loop(step, name="reaper", stop=stop, on_error=grace.outage)
 
     def reconcile_loop(self, stop: StopSignal, options: dict) -> None:
         config = ReconcileConfig(

@@ -1,0 +1,236 @@
+"""Races between a worker, the reaper, a cancel and reconciliation over the same rows, each
+lined up with threads and row locks so that the interleaving happens every time."""
+
+import asyncio
+import datetime as dt
+import threading
+import time
+
+import pytest
+from django.db import connection, transaction
+
+import jobs.transitions as transitions
+from dispatch.models import OutboxMessage, OutboxState
+from dispatch.reaper import OutageGrace, ReaperConfig, reaper_run_once
+from dispatch.reconcile import ReconcileConfig, reconcile_run_once
+from dispatch.runtime import RunContext, run_execute_delivery
+from dispatch.scheduler import SchedulerConfig, scheduler_run_once
+from jobs.models import Attempt, AttemptState, Run, RunState
+from jobs.services import run_cancel_request
+from jobs.transitions import attempt_renew_lease, attempt_succeed, run_claim
+
+NOW = dt.datetime(2030, 1, 1, 12, 0, tzinfo=dt.UTC)
+
+
+def later(seconds: float) -> dt.datetime:
+    return NOW + dt.timedelta(seconds=seconds)
+
+
+@pytest.fixture
+def queued_run(make_job):
+    def make(**overrides) -> Run:
+        job = make_job(
+            now=NOW - dt.timedelta(minutes=1),
+            schedule={"kind": "once", "run_at": NOW.isoformat()},
+            **overrides,
+        )
+        scheduler_run_once(now=NOW, config=SchedulerConfig())
+        return Run.objects.select_related("job_version").get(job=job)
+
+    return make
+
+
+def in_thread(call, errors: list) -> threading.Thread:
+    def target() -> None:
+        try:
+            call()
+        except BaseException as exc:  # noqa: BLE001 - reported by the test
+            errors.append(exc)
+        finally:
+            connection.close()
+
+    thread = threading.Thread(target=target)
+    thread.start()
+    return thread
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_cancel_and_a_completion_of_the_same_attempt_never_deadlock(
+    queued_run, user, monkeypatch
+):
+    run = queued_run()
+    attempt = run_claim(run_id=run.id, worker="w", now=NOW, lease_seconds=30)
+    attempt_locked, go = threading.Event(), threading.Event()
+    original = transitions._move_runs
+    completer: list[int] = []
+
+    def paused_after_the_attempt_update(*args, **kwargs):
+        if threading.get_ident() in completer:
+            attempt_locked.set()  # the completion holds the attempt row
+            go.wait(timeout=5)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(transitions, "_move_runs", paused_after_the_attempt_update)
+    errors: list = []
+    results: dict = {}
+
+    def complete() -> None:
+        completer.append(threading.get_ident())
+        results["complete"] = attempt_succeed(attempt=attempt, now=later(1))
+
+    completion = in_thread(complete, errors)
+    assert attempt_locked.wait(5)
+    cancel = in_thread(
+        lambda: results.setdefault(
+            "cancel", run_cancel_request(run=Run.objects.get(id=run.id), actor=user, now=later(1))
+        ),
+        errors,
+    )
+    time.sleep(0.5)  # the cancel now waits for the attempt row, holding nothing
+    go.set()
+    completion.join(15)
+    cancel.join(15)
+
+    assert errors == []
+    # The completion locked first and won; the cancel found the run finished.
+    assert results == {"complete": True, "cancel": False}
+    assert Run.objects.get(id=run.id).state == RunState.SUCCEEDED
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_worker_stuck_inside_an_effect_does_not_stall_the_reaper(queued_run):
+    slow, dead = queued_run(), queued_run()
+    held = run_claim(run_id=slow.id, worker="w", now=NOW, lease_seconds=30)
+    run_claim(run_id=dead.id, worker="w2", now=later(1), lease_seconds=30)
+    inside, release = threading.Event(), threading.Event()
+    errors: list = []
+
+    def handler_inside_its_effect() -> None:
+        ctx = RunContext(
+            run_id=str(slow.id), job_id=str(slow.job_id), attempt=held.number,
+            idempotency_key=slow.idempotency_key, fencing_token=held.fencing_token,
+            scheduled_for=slow.scheduled_for, payload_ref=None, logger=None,
+            _attempt=held, _keeper=None,
+        )  # fmt: skip
+        with ctx.effect("send-mail"):
+            inside.set()
+            release.wait(timeout=20)  # a slow SMTP call, or a frozen process
+
+    handler = in_thread(handler_inside_its_effect, errors)
+    assert inside.wait(5)
+    started = time.monotonic()
+    result = reaper_run_once(now=later(120), config=ReaperConfig(lock_timeout_seconds=0.5))
+    waited = time.monotonic() - started
+    release.set()
+    handler.join(30)
+
+    assert waited < 5
+    assert result.lost == 1  # the dead worker's run was reaped; the locked one skipped
+    assert Run.objects.get(id=dead.id).state == RunState.RETRY_WAIT
+    assert errors == []
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_heartbeat_waiting_on_the_reaper_is_refused_once_the_reaper_commits(queued_run):
+    run = queued_run()
+    attempt = run_claim(run_id=run.id, worker="w", now=NOW, lease_seconds=30)
+    locked, commit = threading.Event(), threading.Event()
+    errors: list = []
+    out: dict = {}
+
+    def reaper_like() -> None:  # what _finish does: attempt first, then run, one transaction
+        with transaction.atomic():
+            Attempt.objects.filter(id=attempt.id, state="running").update(
+                state="lost", finished_at=later(40)
+            )
+            Run.objects.filter(id=run.id, state="running").update(state="retry_wait")
+            locked.set()
+            commit.wait(5)
+
+    reaper = in_thread(reaper_like, errors)
+    assert locked.wait(5)
+    heartbeat = in_thread(
+        lambda: out.setdefault(
+            "renewed", attempt_renew_lease(attempt=attempt, now=later(41), lease_seconds=30)
+        ),
+        errors,
+    )
+    time.sleep(0.5)
+    commit.set()
+    reaper.join(10)
+    heartbeat.join(10)
+
+    attempt.refresh_from_db()
+    assert errors == [] and out == {"renewed": False}
+    assert attempt.state == AttemptState.LOST and attempt.heartbeat_at == NOW
+
+
+@pytest.mark.django_db
+def test_runs_waiting_out_their_backoff_never_starve_a_newly_lost_message(queued_run):
+    waiting = []
+    for _ in range(3):
+        run = queued_run()
+        OutboxMessage.objects.filter(run=run).update(
+            state=OutboxState.PUBLISHED, published_at=later(-3600)
+        )
+        Run.objects.filter(id=run.id).update(republish_count=6, updated_at=later(-7200))
+        waiting.append(run)
+    lost = queued_run()
+    OutboxMessage.objects.filter(run=lost).update(
+        state=OutboxState.PUBLISHED, published_at=later(-600)
+    )
+    Run.objects.filter(id=lost.id).update(updated_at=later(-700))
+
+    result = reconcile_run_once(
+        now=NOW, config=ReconcileConfig(batch_size=3), queue_depth=lambda queue: 0
+    )
+    assert result.republished == 1
+    assert Run.objects.get(id=lost.id).republish_count == 1
+    assert all(Run.objects.get(id=run.id).republish_count == 6 for run in waiting)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_handler_raising_a_base_exception_stops_its_lease_keeper(queued_run):
+    run = queued_run(heartbeat_timeout_seconds=2, retry={"max_attempts": 1})
+
+    def handler(ctx, *args, **kwargs):
+        raise asyncio.CancelledError()  # a BaseException, as an asyncio handler may leak
+
+    with pytest.raises(asyncio.CancelledError):
+        run_execute_delivery(run_id=str(run.id), handler=handler, worker="w", message_id="m")
+    attempt = Attempt.objects.get(run=run)
+    assert attempt.state == AttemptState.FAILED
+    assert Run.objects.get(id=run.id).state == RunState.FAILED
+    assert not [t for t in threading.enumerate() if t.name == "lease-keeper" and t.is_alive()]
+
+
+def test_the_reaper_waits_out_a_grace_after_the_database_returns():
+    clock = [100.0]
+    grace = OutageGrace(5.0, clock=lambda: clock[0])
+    assert not grace.ready()  # first contact starts the grace
+    clock[0] += 4.9
+    assert not grace.ready()
+    clock[0] += 0.2
+    assert grace.ready()
+    grace.outage(OSError("database away"))
+    clock[0] += 100
+    assert not grace.ready()  # the grace starts again when it answers again
+    clock[0] += 5
+    assert grace.ready()
+
+
+@pytest.mark.django_db
+def test_an_expired_attempt_whose_run_moved_on_is_ended_alone(queued_run):
+    run = queued_run()
+    attempt = run_claim(run_id=run.id, worker="w", now=NOW, lease_seconds=30)
+    # A hand edit moved the run on without ending its attempt.
+    Run.objects.filter(id=run.id).update(state=RunState.RETRY_WAIT, next_attempt_at=later(999))
+
+    first = reaper_run_once(now=later(60), config=ReaperConfig())
+    again = reaper_run_once(now=later(61), config=ReaperConfig())
+
+    attempt.refresh_from_db()
+    assert attempt.state == AttemptState.LOST
+    assert (first.lost, again.lost, again.batch_full) == (0, 0, False)
+    run.refresh_from_db()
+    assert (run.state, run.next_attempt_at) == (RunState.RETRY_WAIT, later(999))
