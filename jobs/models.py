@@ -156,9 +156,7 @@ class Run(models.Model):
                 condition=Q(state="retry_wait"),
             ),
             # Reconciliation looks for runs queued for long without a worker's claim.
-            models.Index(
-                fields=["updated_at"], name="run_queued_idx", condition=Q(state="queued")
-            ),
+            models.Index(fields=["updated_at"], name="run_queued_idx", condition=Q(state="queued")),
             # The scheduler releases pending runs (jitter, buffer_one) once due.
             models.Index(fields=["due_at"], name="run_pending_idx", condition=Q(state="pending")),
         ]
