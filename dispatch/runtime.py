@@ -21,6 +21,8 @@ from jobs.models import Attempt, AttemptState, Run, RunState
 from jobs.retry import CAUSE_ERROR, CAUSE_NON_RETRYABLE, CAUSE_TIMEOUT
 from jobs.services import attempt_record_failure, run_record_duplicate_delivery
 from jobs.transitions import attempt_renew_lease, attempt_succeed, run_claim
+from logs_app.capture import LogCapture
+from logs_app.store import logs_seal
 
 from .clock import db_now
 from .counters import counter_increment
@@ -232,20 +234,28 @@ def _cause(exc: BaseException) -> str:
     return CAUSE_ERROR
 
 
-def _failure_writer(*, run: Run, attempt: Attempt, exc: BaseException, worker: str):
+def _failure_writer(
+    *, run: Run, attempt: Attempt, exc: BaseException, worker: str, logs: tuple[list, int]
+):
     error = "".join(traceback.format_exception(exc))[-8000:].replace("\x00", "")
     cause = _cause(exc)
+    chunks, dropped = logs
 
     def write() -> str | None:
-        return attempt_record_failure(
-            attempt=attempt,
-            spec=run.job_version.spec,
-            retry_base=run.retry_base,
-            cause=cause,
-            error=error,
-            now=db_now(),
-            by=f"worker:{worker}",
-        )
+        with transaction.atomic():
+            now = db_now()
+            outcome = attempt_record_failure(
+                attempt=attempt,
+                spec=run.job_version.spec,
+                retry_base=run.retry_base,
+                cause=cause,
+                error=error,
+                now=now,
+                by=f"worker:{worker}",
+            )
+            if outcome is not None:
+                logs_seal(attempt=attempt, chunks=chunks, dropped_lines=dropped, now=now)
+        return outcome
 
     return write
 
@@ -284,11 +294,13 @@ def run_execute_delivery(*, run_id: str, handler: Callable, worker: str, message
         _attempt=attempt,
         _keeper=keeper,
     )
+    capture = LogCapture(attempt).start()
     try:
         result = handler(ctx, *spec["args"], **spec["kwargs"])
     except BaseException as exc:  # noqa: BLE001 - every handler error is the attempt's outcome
         keeper.stop()
-        write = _failure_writer(run=run, attempt=attempt, exc=exc, worker=worker)
+        logs = capture.finish()
+        write = _failure_writer(run=run, attempt=attempt, exc=exc, worker=worker, logs=logs)
         if not isinstance(exc, Exception):
             # KeyboardInterrupt, SystemExit, CancelledError: recorded, then left to end the
             # task as they mean to; the lease keeper is stopped either way.
@@ -296,9 +308,14 @@ def run_execute_delivery(*, run_id: str, handler: Callable, worker: str, message
             raise
     else:
         keeper.stop()
+        chunks, dropped = capture.finish()
 
         def write() -> str | None:
-            won = attempt_succeed(attempt=attempt, now=db_now(), result=_storable_result(result))
+            with transaction.atomic():
+                now = db_now()
+                won = attempt_succeed(attempt=attempt, now=now, result=_storable_result(result))
+                if won:  # the logs are complete whenever the run shows its success
+                    logs_seal(attempt=attempt, chunks=chunks, dropped_lines=dropped, now=now)
             return RunState.SUCCEEDED if won else None
 
     outcome = _with_database_retries(write)

@@ -1,5 +1,6 @@
 """All settings. test.py only overrides; nothing else reads the environment."""
 
+import json
 import secrets
 
 import dj_database_url
@@ -112,6 +113,29 @@ USE_TZ = True
 
 STATIC_URL = "static/"
 STATIC_ROOT = VAR_DIR / "static"
+
+# Run logs' content (logs_app): the filesystem under var/logs unless configured otherwise.
+STORAGES = {
+    "default": {"BACKEND": "django.core.files.storage.FileSystemStorage"},
+    "staticfiles": {"BACKEND": "django.contrib.staticfiles.storage.StaticFilesStorage"},
+    "scheduler_logs": {
+        "BACKEND": env.SCHEDULER_LOG_STORAGE,
+        "OPTIONS": json.loads(env.SCHEDULER_LOG_STORAGE_OPTIONS)
+        if env.SCHEDULER_LOG_STORAGE_OPTIONS
+        else {"location": str(VAR_DIR / "logs")}
+        if env.SCHEDULER_LOG_STORAGE.endswith("FileSystemStorage")
+        else {},
+    },
+}
+SCHEDULER_LOGS = {
+    "inline_max_bytes": 16 * 1024,  # chunks up to this size stay in their PostgreSQL row
+    "max_bytes_per_attempt": env.SCHEDULER_LOG_MAX_BYTES,
+    "retention_days": env.SCHEDULER_LOG_RETENTION_DAYS,
+    "flush_interval_seconds": 1.0,  # a live tail lags by at most about this
+    "flush_lines": 1000,
+    "flush_bytes": 256 * 1024,
+    "buffer_max_bytes": 16 * 1024 * 1024,  # held while the log store is unreachable
+}
 LOGIN_URL = "/admin/login/"
 
 REST_FRAMEWORK = {

@@ -36,3 +36,12 @@ if SCHEDULER_QUEUE_TYPE not in {"classic", "quorum"}:
     raise ValueError(
         f"SCHEDULER_QUEUE_TYPE must be classic or quorum, not {SCHEDULER_QUEUE_TYPE!r}"
     )
+
+# Run logs: where their content goes (any Django storage backend: a dotted class path, and
+# its options as JSON), how long they are kept, and how much one attempt may write.
+SCHEDULER_LOG_STORAGE = env_str(
+    "SCHEDULER_LOG_STORAGE", "django.core.files.storage.FileSystemStorage"
+)
+SCHEDULER_LOG_STORAGE_OPTIONS = os.environ.get("SCHEDULER_LOG_STORAGE_OPTIONS", "")
+SCHEDULER_LOG_RETENTION_DAYS = int(env_str("SCHEDULER_LOG_RETENTION_DAYS", "30"))
+SCHEDULER_LOG_MAX_BYTES = int(env_str("SCHEDULER_LOG_MAX_BYTES", str(10 * 1024 * 1024)))
