@@ -93,3 +93,21 @@ def fail_first(ctx):
     _commit_effect(ctx, "work")
     _record(ctx, "executed")
     return {"attempt": ctx.attempt}
+
+
+@job_task(name="faults.chatty")
+def chatty(ctx, lines=100, seconds=0.0, crash_first=False):
+    """Prints `lines` numbered lines spread over `seconds`, then commits its effect; with
+    `crash_first`, the first attempt records how far it got and waits to be killed."""
+    _record(ctx, "started", pid=os.getpid())
+    pause = seconds / lines if lines else 0
+    for index in range(lines):
+        print(f"attempt {ctx.attempt} line {index}")
+        if pause:
+            time.sleep(pause)
+    if crash_first and ctx.attempt == 1:
+        _record(ctx, "printed")
+        time.sleep(3600)  # until the test kills the worker
+    _commit_effect(ctx, "work")
+    _record(ctx, "executed")
+    return {"lines": lines}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -69,6 +70,10 @@ class Stack:
             "SCHEDULER_TASK_MODULES": "tests.sample_tasks,tests.fault_tasks",
             "SAMPLE_TASK_RECORD": str(self.record),
             "SCHEDULER_VAR_DIR": str(workdir / "var"),
+            # The test process reads the logs the workers store: one place for both.
+            "SCHEDULER_LOG_STORAGE_OPTIONS": json.dumps(
+                settings.STORAGES["scheduler_logs"]["OPTIONS"]
+            ),
             "PYTHONUNBUFFERED": "1",
             **(extra_env or {}),
         }
@@ -132,7 +137,6 @@ class Stack:
         return path.read_bytes() if path.exists() else b""
 
     def executions(self) -> list[dict]:
-        import json
 
         if not self.record.exists():
             return []

@@ -19,3 +19,8 @@ DATABASES["default"]["TEST"] = {"NAME": f"test_scheduler_{os.getpid()}"}
 DATABASES["default"]["CONN_MAX_AGE"] = 0
 PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]
 REST_FRAMEWORK = {**REST_FRAMEWORK, "DEFAULT_THROTTLE_RATES": {"user": "100000/min"}}  # noqa: F405
+
+# Run logs' content goes to a directory of this test session, removed with the var/ tree.
+STORAGES["scheduler_logs"]["OPTIONS"] = {  # noqa: F405
+    "location": str(VAR_DIR / f"test-logs-{os.getpid()}")  # noqa: F405
+}
