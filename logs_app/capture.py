@@ -61,6 +61,8 @@ class LogCapture:
 
     # -- the handler's side ----------------------------------------------------------
     def start(self) -> LogCapture:
+        if not self.config["capture"]:
+            return self  # nothing captured; finish() seals an empty, complete log
         _install()
         self._owner = threading.get_ident()
         _captures[self._owner] = self
@@ -110,7 +112,8 @@ class LogCapture:
         with self._lock:
             self._stopping = True
             self._wake.notify()
-        self._thread.join(timeout=30)
+        if self._thread.is_alive():
+            self._thread.join(timeout=30)
         with self._lock:
             self._form_chunk()
             if self.dropped:

@@ -128,6 +128,7 @@ STORAGES = {
     },
 }
 SCHEDULER_LOGS = {
+    "capture": env.SCHEDULER_LOG_CAPTURE,
     "inline_max_bytes": 16 * 1024,  # chunks up to this size stay in their PostgreSQL row
     "max_bytes_per_attempt": env.SCHEDULER_LOG_MAX_BYTES,
     "retention_days": env.SCHEDULER_LOG_RETENTION_DAYS,

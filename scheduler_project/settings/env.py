@@ -44,4 +44,6 @@ SCHEDULER_LOG_STORAGE = env_str(
 )
 SCHEDULER_LOG_STORAGE_OPTIONS = os.environ.get("SCHEDULER_LOG_STORAGE_OPTIONS", "")
 SCHEDULER_LOG_RETENTION_DAYS = int(env_str("SCHEDULER_LOG_RETENTION_DAYS", "30"))
+# false: handlers' output is not captured (it goes to the worker's own log, as Celery does).
+SCHEDULER_LOG_CAPTURE = env_bool("SCHEDULER_LOG_CAPTURE", True)
 SCHEDULER_LOG_MAX_BYTES = int(env_str("SCHEDULER_LOG_MAX_BYTES", str(10 * 1024 * 1024)))
