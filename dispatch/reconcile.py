@@ -8,6 +8,7 @@ them, and counts and records every repair in the run's history.
 - A run `running` without a running attempt holding its token (only a bug or a hand edit
   makes one): treated like a lost attempt, retried or failed by the job's policy.
 - Outbox rows pending too long: the relay keeps retrying them; here they are alarmed.
+- Run logs past retention: one bounded batch pruned per pass (logs_app.retention).
 
 Every repair is one conditional update on rows claimed with FOR UPDATE SKIP LOCKED, so any
 number of replicas may run it.
@@ -27,6 +28,7 @@ from django.db.models.functions import Coalesce
 from jobs.models import Attempt, AttemptState, AuditEvent, Run, RunState
 from jobs.retry import CAUSE_LOST, failure_outcome
 from jobs.transitions import run_end_orphan, run_give_up
+from logs_app.retention import logs_prune
 
 from .counters import counter_increment
 from .models import OutboxMessage, OutboxState
@@ -62,6 +64,7 @@ class ReconcileResult:
     undeliverable: int = 0
     orphans_repaired: int = 0
     outbox_stuck: int = 0
+    logs_pruned: int = 0
 
 
 def reconcile_run_once(
@@ -74,11 +77,13 @@ def reconcile_run_once(
     with transaction.atomic():
         orphans = _repair_orphaned_running(now=now, config=config)
     stuck = _alarm_stuck_outbox(now=now, config=config)
+    pruned = logs_prune(now=now, batch_size=config.batch_size)
     return ReconcileResult(
         republished=republished,
         undeliverable=undeliverable,
         orphans_repaired=orphans,
         outbox_stuck=stuck,
+        logs_pruned=pruned,
     )
 
 
