@@ -1,0 +1,302 @@
+"""`GET /api/v1/runs/{run_id}/logs/`: one attempt's log lines, paginated by line number, with
+a long-poll live tail (`follow=true`) and a plain-text download (`format=text`).
+
+Long-polling rather than server-sent events: the web tier is plain WSGI, where a request
+that waits holds one worker thread for at most `MAX_WAIT_SECONDS`, and a client's loop
+over `next` is all a live tail needs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from collections.abc import Iterator
+
+from django.db.models import Exists, F, OuterRef, Subquery, Sum
+from django.db.models.functions import Coalesce
+from django.http import Http404, StreamingHttpResponse
+from drf_spectacular.types import OpenApiTypes
+from drf_spectacular.utils import OpenApiExample, extend_schema
+from rest_framework import serializers
+from rest_framework.renderers import BaseRenderer, JSONRenderer
+from rest_framework.response import Response
+from rest_framework.utils.urls import replace_query_param
+from rest_framework.views import APIView
+
+from jobs.models import Attempt, AttemptState, Run
+from jobs.selectors import run_get
+
+from .models import LogChunk, LogManifest
+from .store import chunk_lines
+
+PAGE_SIZE = 1000
+MAX_PAGE_SIZE = 5000
+MAX_WAIT_SECONDS = 25  # a waiting request holds a WSGI worker thread: keep it short
+POLL_SECONDS = 0.25  # how often a waiting request looks for new lines
+TEXT_CHUNKS_PER_QUERY = 20  # chunk rows (each up to the inline size) fetched at a time
+MAX_LINE_NUMBER = 2**31 - 1  # line numbers are PostgreSQL integers
+
+
+# -- reads ------------------------------------------------------------------------------
+def log_attempts(*, run: Run) -> list[Attempt]:
+    """The run's attempts, in order, each with `complete` (its manifest exists) and
+    `line_count` (lines stored so far)."""
+    stored = (
+        LogChunk.objects.filter(attempt=OuterRef("pk"))
+        .order_by()
+        .values("attempt")
+        .annotate(total=Sum("line_count"))
+        .values("total")
+    )
+    return list(
+        Attempt.objects.filter(run=run)
+        .order_by("number")
+        .annotate(
+            complete=Exists(LogManifest.objects.filter(attempt=OuterRef("pk"))),
+            line_count=Coalesce(Subquery(stored), 0),
+        )
+    )
+
+
+def log_lines(*, attempt: Attempt, after: int, limit: int) -> list[dict]:
+    """At most `limit` lines numbered after `after`, in order. Only the chunks holding them
+    are read: those that end past `after` and begin before the last line wanted."""
+    start = after + 1
+    chunks = (
+        LogChunk.objects.filter(attempt=attempt, first_line__lt=start + limit)
+        .alias(end=F("first_line") + F("line_count"))
+        .filter(end__gt=start)
+        .order_by("sequence")
+    )
+    lines: list[dict] = []
+    for chunk in chunks:
+        for line in chunk_lines(chunk):
+            if line["n"] >= start:
+                lines.append(line)
+                if len(lines) == limit:
+                    return lines
+    return lines
+
+
+@dataclasses.dataclass(frozen=True)
+class LogPage:
+    attempt: Attempt  # as read before the lines: its state, and `complete`
+    lines: list[dict]
+    more: bool  # lines after this page are already stored
+    ended: bool  # the attempt has ended and this page holds its last line
+
+
+def log_page(*, attempt_id: int, after: int, page_size: int, wait_seconds: float = 0.0) -> LogPage:
+    """A page of lines after `after`. With `wait_seconds`, while there are none and the
+    attempt is running, look again every `POLL_SECONDS` until some arrive, the attempt
+    ends, or the wait is over."""
+    deadline = time.monotonic() + wait_seconds
+    while True:
+        # The attempt first, then its lines: once an attempt has left `running`, no chunk
+        # can be added (chunk_ship checks the state under the attempt's row lock), so the
+        # lines read after seeing it ended are all it will ever have.
+        attempt = Attempt.objects.annotate(
+            complete=Exists(LogManifest.objects.filter(attempt=OuterRef("pk")))
+        ).get(id=attempt_id)
+        lines = log_lines(attempt=attempt, after=after, limit=page_size + 1)
+        running = attempt.state == AttemptState.RUNNING
+        if lines or not running or time.monotonic() + POLL_SECONDS > deadline:
+            break
+        time.sleep(POLL_SECONDS)
+    more = len(lines) > page_size
+    return LogPage(attempt=attempt, lines=lines[:page_size], more=more, ended=not (running or more))
+
+
+def log_text(*, attempt: Attempt) -> Iterator[str]:
+    """The attempt's lines as text, `ts stream level text` each, read a few chunks at a
+    time so that a long log is never held in memory."""
+    sequence = -1
+    while True:
+        chunks = list(
+            LogChunk.objects.filter(attempt=attempt, sequence__gt=sequence).order_by("sequence")[
+                :TEXT_CHUNKS_PER_QUERY
+            ]
+        )
+        if not chunks:
+            return
+        for chunk in chunks:
+            yield "".join(
+                f"{line['ts']} {line['stream']} {line['level']} {line['text']}\n"
+                for line in chunk_lines(chunk)
+            )
+        sequence = chunks[-1].sequence
+
+
+# -- the endpoint -----------------------------------------------------------------------
+class PlainTextRenderer(BaseRenderer):
+    """`?format=text` or `Accept: text/plain`. The logs themselves are streamed by the view;
+    this renders only error answers (404, 400) as text."""
+
+    media_type = "text/plain"
+    format = "text"
+    charset = "utf-8"
+
+    def render(self, data, accepted_media_type=None, renderer_context=None):
+        if isinstance(data, dict) and set(data) == {"detail"}:
+            data = data["detail"]
+        return (data if isinstance(data, str) else json.dumps(data)).encode()
+
+
+class LogQuery(serializers.Serializer):
+    attempt = serializers.IntegerField(
+        min_value=1,
+        max_value=MAX_LINE_NUMBER,
+        required=False,
+        help_text="The attempt's number; default the latest attempt.",
+    )
+    after = serializers.IntegerField(
+        min_value=-1,
+        max_value=MAX_LINE_NUMBER,
+        default=-1,
+        help_text="The cursor: lines numbered after this one (default -1: from the first). "
+        "`next` carries it.",
+    )
+    page_size = serializers.IntegerField(min_value=1, max_value=MAX_PAGE_SIZE, default=PAGE_SIZE)
+    follow = serializers.BooleanField(
+        default=False,
+        help_text="Live tail: when there are no lines after the cursor and the attempt is "
+        "running, wait until some arrive or the attempt ends (long poll).",
+    )
+    wait = serializers.IntegerField(
+        min_value=0,
+        max_value=MAX_WAIT_SECONDS,
+        default=MAX_WAIT_SECONDS,
+        help_text="With follow: the longest wait, in seconds.",
+    )
+
+
+class LogLineOutput(serializers.Serializer):
+    n = serializers.IntegerField(help_text="The line's number in the attempt, from 0.")
+    ts = serializers.CharField(help_text="When the worker captured it (ISO 8601, UTC).")
+    stream = serializers.CharField(help_text="logger, logging, stdout, stderr or system.")
+    level = serializers.CharField()
+    text = serializers.CharField(allow_blank=True)
+
+
+class AttemptLogOutput(serializers.Serializer):
+    number = serializers.IntegerField()
+    state = serializers.CharField()
+    complete = serializers.BooleanField()
+    line_count = serializers.IntegerField(help_text="Lines stored so far.")
+
+
+class LogPageOutput(serializers.Serializer):
+    run = serializers.UUIDField()
+    attempt = serializers.IntegerField()
+    fencing_token = serializers.IntegerField()
+    attempt_state = serializers.CharField()
+    complete = serializers.BooleanField(
+        help_text="The attempt ended through its own worker and its manifest is stored: "
+        "every line it produced is here (a lost or killed attempt's logs stay incomplete)."
+    )
+    lines = LogLineOutput(many=True)
+    next = serializers.URLField(
+        allow_null=True,
+        help_text="The next page, or the position to poll while the attempt runs; null once "
+        "the attempt has ended and every line was returned.",
+    )
+    ended = serializers.BooleanField(
+        help_text="The attempt has ended and this page holds its last line."
+    )
+    attempts = AttemptLogOutput(many=True)
+
+
+class RunLogsApi(APIView):
+    renderer_classes = [JSONRenderer, PlainTextRenderer]
+
+    @extend_schema(
+        parameters=[LogQuery],
+        responses={
+            (200, "application/json"): LogPageOutput,
+            (200, "text/plain"): OpenApiTypes.STR,
+            (404, "application/json"): OpenApiTypes.OBJECT,
+            (404, "text/plain"): OpenApiTypes.STR,
+            (400, "application/json"): OpenApiTypes.OBJECT,
+            (400, "text/plain"): OpenApiTypes.STR,
+        },
+        examples=[
+            OpenApiExample(
+                "A running attempt",
+                response_only=True,
+                status_codes=["200"],
+                value={
+                    "run": "6f1c8a4e-2d0b-4c1e-9a57-0b3c2f6e9d10",
+                    "attempt": 1,
+                    "fencing_token": 1,
+                    "attempt_state": "running",
+                    "complete": False,
+                    "lines": [
+                        {
+                            "n": 0,
+                            "ts": "2030-01-01T12:00:00.120000+00:00",
+                            "stream": "logger",
+                            "level": "INFO",
+                            "text": "charging 42",
+                        }
+                    ],
+                    "next": "https://scheduler.example/api/v1/runs/6f1c8a4e-2d0b-4c1e-9a57-"
+                    "0b3c2f6e9d10/logs/?attempt=1&after=0",
+                    "ended": False,
+                    "attempts": [
+                        {"number": 1, "state": "running", "complete": False, "line_count": 1}
+                    ],
+                },
+            )
+        ],
+    )
+    def get(self, request, run_id):
+        run = run_get(user=request.user, run_id=run_id)
+        if run is None:
+            raise Http404
+        query = LogQuery(data=request.query_params)
+        query.is_valid(raise_exception=True)
+        params = query.validated_data
+        attempts = log_attempts(run=run)
+        number = params.get("attempt", attempts[-1].number if attempts else None)
+        attempt = next((a for a in attempts if a.number == number), None)
+        if attempt is None:
+            raise Http404
+        if request.accepted_renderer.format == PlainTextRenderer.format:
+            response = StreamingHttpResponse(
+                log_text(attempt=attempt), content_type="text/plain; charset=utf-8"
+            )
+            response["Content-Disposition"] = (
+                f'inline; filename="run-{run.id}-attempt-{attempt.number}.log"'
+            )
+            return response
+        page = log_page(
+            attempt_id=attempt.id,
+            after=params["after"],
+            page_size=params["page_size"],
+            wait_seconds=params["wait"] if params["follow"] else 0,
+        )
+        attempt = page.attempt
+        if params["follow"]:
+            attempts = log_attempts(run=run)  # as of this page: it may have waited
+        return Response(
+            LogPageOutput(
+                {
+                    "run": run.id,
+                    "attempt": attempt.number,
+                    "fencing_token": attempt.fencing_token,
+                    "attempt_state": attempt.state,
+                    "complete": attempt.complete,
+                    "lines": page.lines,
+                    "next": None if page.ended else _next_url(request, page, params["after"]),
+                    "ended": page.ended,
+                    "attempts": attempts,
+                }
+            ).data
+        )
+
+
+def _next_url(request, page: LogPage, after: int) -> str:
+    url = request.build_absolute_uri()
+    url = replace_query_param(url, "attempt", page.attempt.number)
+    return replace_query_param(url, "after", page.lines[-1]["n"] if page.lines else after)

@@ -1,0 +1,51 @@
+"""Retention of run logs: the chunks (rows and stored content) and manifests of attempts that
+finished more than `retention_days` ago. A running attempt is never pruned.
+
+`logs_prune` does one bounded batch; reconciliation calls it once per pass, and
+`manage.py prune_logs` loops it until nothing is left.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+
+from django.conf import settings
+from django.db.models import Exists, OuterRef
+
+from jobs.models import AttemptState
+
+from .models import LogChunk, LogManifest
+from .store import chunks_delete
+
+
+def logs_prune(
+    *, now: dt.datetime, retention_days: int | None = None, batch_size: int = 1000
+) -> int:
+    """Delete up to `batch_size` chunks, then up to `batch_size` manifests left without
+    chunks, of attempts finished before `now - retention_days`. Returns how many of both."""
+    if retention_days is None:
+        retention_days = settings.SCHEDULER_LOGS["retention_days"]
+    cutoff = now - dt.timedelta(days=retention_days)
+    expired = {"attempt__finished_at__lt": cutoff}
+    running = {"attempt__state": AttemptState.RUNNING}
+    # A chunk is stored before its attempt finishes, so `created_at < cutoff` holds for every
+    # expired chunk (give or take a worker's clock skew, which only delays it to a later
+    # pass): it lets the age index narrow the scan before the join on the attempt.
+    chunks = (
+        LogChunk.objects.filter(created_at__lt=cutoff, **expired)
+        .exclude(**running)
+        .order_by("created_at")
+        .values_list("id", flat=True)[:batch_size]
+    )
+    deleted = chunks_delete(LogChunk.objects.filter(id__in=list(chunks)))
+    # A manifest goes only once its attempt's chunks are gone, so that a log is never shown
+    # as complete while its chunks are half deleted.
+    manifests = (
+        LogManifest.objects.filter(**expired)
+        .exclude(**running)
+        .filter(~Exists(LogChunk.objects.filter(attempt=OuterRef("attempt"))))
+        .order_by("id")
+        .values_list("id", flat=True)[:batch_size]
+    )
+    deleted += LogManifest.objects.filter(id__in=list(manifests)).delete()[0]
+    return deleted

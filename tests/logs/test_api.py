@@ -1,0 +1,302 @@
+"""GET /api/v1/runs/{id}/logs/: pages, access, attempts, completeness, live tail, text, admin."""
+
+from __future__ import annotations
+
+import datetime as dt
+import threading
+import time
+from urllib.parse import parse_qs, urlsplit
+
+import pytest
+from django.contrib.auth import get_user_model
+from django.contrib.auth.models import Group
+from django.db import connection, transaction
+from django.urls import reverse
+from rest_framework.authtoken.models import Token
+from rest_framework.test import APIClient
+
+from dispatch.runtime import run_execute_delivery
+from dispatch.scheduler import SchedulerConfig, scheduler_run_once
+from jobs.models import Attempt, AttemptState, Run, RunState
+from jobs.transitions import attempt_succeed, run_claim
+from logs_app import api as logs_api
+from logs_app.store import Chunk, chunk_ship, logs_seal
+
+NOW = dt.datetime(2030, 1, 1, 12, 0, tzinfo=dt.UTC)
+
+
+def queued_run(make_job, **overrides) -> Run:
+    job = make_job(
+        now=NOW - dt.timedelta(minutes=1),
+        schedule={"kind": "once", "run_at": NOW.isoformat()},
+        **overrides,
+    )
+    scheduler_run_once(now=NOW, config=SchedulerConfig())
+    return Run.objects.select_related("job_version").get(job=job)
+
+
+def running_attempt(make_job, **overrides) -> Attempt:
+    """A claimed run's attempt, running, that the test ships chunks for by hand."""
+    run = queued_run(make_job, **overrides)
+    return run_claim(run_id=run.id, worker="test", now=NOW, lease_seconds=300)
+
+
+def log_lines(first: int, count: int, text: str = "line", width: int = 0) -> list[dict]:
+    return [
+        {
+            "n": n,
+            "ts": (NOW + dt.timedelta(milliseconds=n)).isoformat(),
+            "stream": "stdout",
+            "level": "INFO",
+            "text": f"{text} {n}" + "x" * width,
+        }
+        for n in range(first, first + count)
+    ]
+
+
+def ship(attempt: Attempt, sequence: int, first: int, count: int, **line_options) -> None:
+    chunk = Chunk(sequence, first, log_lines(first, count, **line_options))
+    assert chunk_ship(attempt=attempt, chunk=chunk, now=NOW)
+
+
+def succeed(attempt: Attempt, last_chunks: list[Chunk] = ()) -> None:
+    """End the attempt as its worker does: outcome and manifest in one transaction."""
+    with transaction.atomic():
+        assert attempt_succeed(attempt=attempt, now=NOW)
+        logs_seal(attempt=attempt, chunks=list(last_chunks), dropped_lines=0, now=NOW)
+
+
+def logs_url(run_id) -> str:
+    return reverse("run-logs", args=[run_id])
+
+
+def client_for(user) -> APIClient:
+    client = APIClient()
+    client.credentials(HTTP_AUTHORIZATION=f"Token {Token.objects.create(user=user).key}")
+    return client
+
+
+@pytest.mark.django_db(transaction=True)
+def test_ten_thousand_lines_page_by_page_in_order_and_complete(api, make_job, monkeypatch):
+    run = queued_run(make_job)
+
+    def handler(ctx):
+        for index in range(10_000):
+            print(f"line {index}")
+
+    run_execute_delivery(run_id=str(run.id), handler=handler, worker="w", message_id="m")
+    chunks_read = []
+    read = logs_api.chunk_lines
+    monkeypatch.setattr(logs_api, "chunk_lines", lambda chunk: chunks_read.append(1) or read(chunk))
+
+    seen, pages = [], 0
+    url = logs_url(run.id) + "?page_size=700"
+    while url:
+        chunks_read.clear()
+        body = api.get(url).json()
+        pages += 1
+        assert body["complete"] is True
+        assert body["attempt"] == 1 and body["attempt_state"] == "succeeded"
+        assert len(body["lines"]) <= 700
+        # Only the chunks that hold the page (and the line after it), never all of them.
+        assert len(chunks_read) <= 3
+        seen += [line["n"] for line in body["lines"]]
+        url = body["next"]
+        if url is None:
+            assert body["ended"] is True
+    assert seen == list(range(10_000))
+    assert pages == 15  # 14 full pages and one of 200
+    assert body["attempts"] == [
+        {"number": 1, "state": "succeeded", "complete": True, "line_count": 10_000}
+    ]
+
+
+@pytest.mark.django_db
+def test_page_size_is_bounded_and_after_is_a_cursor(api, make_job):
+    attempt = running_attempt(make_job)
+    ship(attempt, 0, 0, 10)
+    body = api.get(logs_url(attempt.run_id), {"after": 6}).json()
+    assert [line["n"] for line in body["lines"]] == [7, 8, 9]
+    assert api.get(logs_url(attempt.run_id), {"page_size": 5001}).status_code == 400
+    assert api.get(logs_url(attempt.run_id), {"page_size": 0}).status_code == 400
+
+
+@pytest.mark.django_db
+def test_only_the_owner_staff_and_operators_see_the_logs(make_job, other_user):
+    attempt = running_attempt(make_job)
+    ship(attempt, 0, 0, 3)
+    url = logs_url(attempt.run_id)
+    owner = attempt.run.job.owner
+
+    assert client_for(owner).get(url).status_code == 200
+    stranger = client_for(other_user)
+    assert stranger.get(url).status_code == 404
+    assert stranger.get(url, {"attempt": 1}).status_code == 404
+    assert stranger.get(url, {"format": "text"}).status_code == 404
+    assert APIClient().get(url).status_code == 401
+
+    other_user.groups.add(Group.objects.get_or_create(name="operators")[0])
+    assert [line["n"] for line in stranger.get(url).json()["lines"]] == [0, 1, 2]
+    staff = get_user_model().objects.create_user("staff-logs", is_staff=True)
+    assert client_for(staff).get(url).status_code == 200
+
+
+@pytest.mark.django_db
+def test_an_attempt_the_run_does_not_have_is_404(api, make_job):
+    run = queued_run(make_job)
+    assert api.get(logs_url(run.id)).status_code == 404  # no attempt yet
+    attempt = running_attempt(make_job)
+    assert api.get(logs_url(attempt.run_id), {"attempt": 2}).status_code == 404
+    assert api.get(logs_url(attempt.run_id), {"attempt": 1}).status_code == 200
+
+
+@pytest.mark.django_db(transaction=True)
+def test_each_attempt_has_its_own_log(api, make_job):
+    run = queued_run(make_job, retry={"max_attempts": 2, "initial_delay_seconds": 0})
+    calls = []
+
+    def handler(ctx):
+        calls.append(ctx.attempt)
+        print(f"attempt {ctx.attempt} starts")
+        if ctx.attempt == 1:
+            raise RuntimeError("first try fails")
+        print("and succeeds")
+
+    run_execute_delivery(run_id=str(run.id), handler=handler, worker="w", message_id="m1")
+    assert Run.objects.get(id=run.id).state == RunState.RETRY_WAIT
+    scheduler_run_once(now=NOW + dt.timedelta(days=1), config=SchedulerConfig())
+    run_execute_delivery(run_id=str(run.id), handler=handler, worker="w", message_id="m2")
+    assert calls == [1, 2]
+
+    latest = api.get(logs_url(run.id)).json()
+    assert latest["attempt"] == 2 and latest["complete"] is True
+    assert [line["text"] for line in latest["lines"]] == ["attempt 2 starts", "and succeeds"]
+    assert latest["attempts"] == [
+        {"number": 1, "state": "failed", "complete": True, "line_count": 1},
+        {"number": 2, "state": "succeeded", "complete": True, "line_count": 2},
+    ]
+    first = api.get(logs_url(run.id), {"attempt": 1}).json()
+    assert [line["text"] for line in first["lines"]] == ["attempt 1 starts"]
+    assert first["fencing_token"] < latest["fencing_token"]
+
+
+@pytest.mark.django_db
+def test_a_lost_attempt_shows_what_it_shipped_as_incomplete(api, make_job):
+    attempt = running_attempt(make_job)
+    ship(attempt, 0, 0, 4)
+    Attempt.objects.filter(id=attempt.id).update(state=AttemptState.LOST, finished_at=NOW)
+    # A stale worker can add nothing once the attempt is lost.
+    assert not chunk_ship(attempt=attempt, chunk=Chunk(1, 4, log_lines(4, 1)), now=NOW)
+
+    body = api.get(logs_url(attempt.run_id)).json()
+    assert body["attempt_state"] == "lost"
+    assert body["complete"] is False
+    assert [line["n"] for line in body["lines"]] == [0, 1, 2, 3]
+    assert body["ended"] is True and body["next"] is None
+    assert body["attempts"] == [{"number": 1, "state": "lost", "complete": False, "line_count": 4}]
+
+
+@pytest.mark.django_db
+def test_a_running_attempt_gives_a_next_to_poll(api, make_job):
+    attempt = running_attempt(make_job)
+    ship(attempt, 0, 0, 3)
+    body = api.get(logs_url(attempt.run_id)).json()
+    assert body["ended"] is False and body["complete"] is False
+    query = parse_qs(urlsplit(body["next"]).query)
+    assert query["after"] == ["2"] and query["attempt"] == ["1"]
+    again = api.get(body["next"]).json()  # nothing new yet: the same position again
+    assert again["lines"] == [] and again["next"] == body["next"]
+
+
+def _in_thread(target) -> threading.Thread:
+    def run():
+        try:
+            target()
+        finally:
+            connection.close()
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread
+
+
+@pytest.mark.django_db(transaction=True)
+def test_follow_returns_new_lines_as_they_ship_and_ends_with_the_attempt(api, make_job):
+    attempt = running_attempt(make_job)
+    ship(attempt, 0, 0, 2)
+    first = api.get(logs_url(attempt.run_id)).json()
+    assert [line["n"] for line in first["lines"]] == [0, 1]
+    shipped_at = []
+
+    def ship_later():
+        time.sleep(1.0)
+        ship(attempt, 1, 2, 3)
+        shipped_at.append(time.monotonic())
+
+    thread = _in_thread(ship_later)
+    body = api.get(first["next"] + "&follow=true&wait=10").json()
+    answered_at = time.monotonic()
+    thread.join()
+    assert [line["n"] for line in body["lines"]] == [2, 3, 4]
+    assert answered_at - shipped_at[0] < 2.0
+    assert body["ended"] is False
+    assert parse_qs(urlsplit(body["next"]).query)["follow"] == ["true"]
+
+    def end_later():
+        time.sleep(1.0)
+        succeed(attempt, [Chunk(2, 5, log_lines(5, 1, text="last"))])
+
+    thread = _in_thread(end_later)
+    started = time.monotonic()
+    final = api.get(body["next"]).json()  # `next` keeps follow and wait
+    thread.join()
+    assert time.monotonic() - started < 5
+    assert [line["text"] for line in final["lines"]] == ["last 5"]
+    assert final["ended"] is True and final["next"] is None and final["complete"] is True
+
+
+@pytest.mark.django_db(transaction=True)
+def test_follow_gives_up_after_the_wait_with_no_lines(api, make_job):
+    attempt = running_attempt(make_job)
+    started = time.monotonic()
+    body = api.get(logs_url(attempt.run_id), {"follow": "true", "wait": 1}).json()
+    assert 0.7 < time.monotonic() - started < 3
+    assert body["lines"] == [] and body["ended"] is False and body["next"]
+
+
+@pytest.mark.django_db
+def test_text_download_streams_one_line_per_log_line(api, make_job):
+    attempt = running_attempt(make_job)
+    ship(attempt, 0, 0, 2)
+    succeed(attempt, [Chunk(1, 2, log_lines(2, 1, text="end"))])
+    for response in (
+        api.get(logs_url(attempt.run_id), {"format": "text"}),
+        api.get(logs_url(attempt.run_id), HTTP_ACCEPT="text/plain"),
+    ):
+        assert response.status_code == 200
+        assert response.streaming
+        assert response["Content-Type"].startswith("text/plain")
+        text = b"".join(response.streaming_content).decode()
+        assert text.splitlines() == [
+            f"{line['ts']} stdout INFO {line['text']}"
+            for line in log_lines(0, 2) + log_lines(2, 1, text="end")
+        ]
+    assert api.get(logs_url(attempt.run_id), {"format": "text", "attempt": 9}).status_code == 404
+
+
+@pytest.mark.django_db
+def test_the_admin_shows_an_attempts_log_to_staff(client, make_job):
+    attempt = running_attempt(make_job)
+    ship(attempt, 0, 0, 3, text="admin sees")
+    staff = get_user_model().objects.create_superuser("admin-logs", password="pw")
+    client.force_login(staff)
+    page = client.get(reverse("admin:logs_app_attempt_log", args=[attempt.id]))
+    assert page.status_code == 200
+    assert "admin sees 2" in page.content.decode()
+    assert client.get(reverse("admin:logs_app_logchunk_changelist")).status_code == 200
+    succeed(attempt)
+    assert client.get(reverse("admin:logs_app_logmanifest_changelist")).status_code == 200
+
+    client.force_login(get_user_model().objects.create_user("not-staff", password="pw"))
+    page = client.get(reverse("admin:logs_app_attempt_log", args=[attempt.id]))
+    assert page.status_code == 302  # to the admin's login

@@ -1,0 +1,102 @@
+"""Retention of run logs, with a pinned clock: chunks (rows and stored content) and manifests
+of attempts finished before the cutoff go; recent and running attempts' logs stay."""
+
+from __future__ import annotations
+
+import datetime as dt
+
+import pytest
+from django.core.files.storage import storages
+from django.core.management import call_command
+
+from dispatch.clock import db_now
+from dispatch.reconcile import ReconcileConfig, reconcile_run_once
+from jobs.models import Attempt
+from logs_app.models import LogChunk, LogManifest
+from logs_app.retention import logs_prune
+from tests.logs.test_api import NOW, running_attempt, ship, succeed
+
+INLINE_MAX = 16 * 1024
+
+
+def attempt_with_logs(make_job, *, finished: dt.datetime | None) -> Attempt:
+    """An attempt with an inline chunk and one big enough for the storage; ended with its
+    manifest at `finished`, or still running when None."""
+    attempt = running_attempt(make_job)
+    ship(attempt, 0, 0, 5)
+    ship(attempt, 1, 5, 300, width=100)  # ~40 KB: in the storage backend
+    if finished is not None:
+        succeed(attempt)
+        # As if it had run then: shipped a little before it finished.
+        Attempt.objects.filter(id=attempt.id).update(finished_at=finished)
+        LogChunk.objects.filter(attempt=attempt).update(
+            created_at=finished - dt.timedelta(minutes=1)
+        )
+    return attempt
+
+
+def stored_names(attempt: Attempt) -> list[str]:
+    return list(
+        LogChunk.objects.filter(attempt=attempt)
+        .exclude(storage_name="")
+        .values_list("storage_name", flat=True)
+    )
+
+
+@pytest.mark.django_db
+def test_old_finished_attempts_lose_their_logs_recent_and_running_keep_them(make_job, settings):
+    settings.SCHEDULER_LOGS = {**settings.SCHEDULER_LOGS, "retention_days": 30}
+    old = attempt_with_logs(make_job, finished=NOW - dt.timedelta(days=31))
+    recent = attempt_with_logs(make_job, finished=NOW - dt.timedelta(days=29))
+    running = attempt_with_logs(make_job, finished=None)
+    (old_file,) = stored_names(old)
+    assert storages["scheduler_logs"].exists(old_file)
+    # However old its chunks, a running attempt's log is kept.
+    LogChunk.objects.filter(attempt=running).update(created_at=NOW - dt.timedelta(days=60))
+
+    assert logs_prune(now=NOW) == 3  # two chunks and the manifest
+    assert not LogChunk.objects.filter(attempt=old).exists()
+    assert not LogManifest.objects.filter(attempt=old).exists()
+    assert not storages["scheduler_logs"].exists(old_file)
+    for kept in (recent, running):
+        assert LogChunk.objects.filter(attempt=kept).count() == 2
+        assert all(storages["scheduler_logs"].exists(name) for name in stored_names(kept))
+    assert LogManifest.objects.filter(attempt=recent).exists()
+    assert logs_prune(now=NOW) == 0
+
+    # A shorter retention reaches the recent one; the running one is never pruned.
+    assert logs_prune(now=NOW, retention_days=1) == 3
+    assert LogChunk.objects.filter(attempt=running).count() == 2
+
+
+@pytest.mark.django_db
+def test_pruning_is_batched_and_manifests_go_last(make_job):
+    old = attempt_with_logs(make_job, finished=NOW - dt.timedelta(days=100))
+
+    assert logs_prune(now=NOW, retention_days=30, batch_size=1) == 1
+    # One chunk left: the manifest waits, so the log never shows as complete but partial.
+    assert LogManifest.objects.filter(attempt=old).exists()
+    assert logs_prune(now=NOW, retention_days=30, batch_size=1) == 2  # last chunk, manifest
+    assert logs_prune(now=NOW, retention_days=30, batch_size=1) == 0
+
+
+@pytest.mark.django_db
+def test_reconciliation_prunes_one_batch_per_pass(make_job, settings):
+    settings.SCHEDULER_LOGS = {**settings.SCHEDULER_LOGS, "retention_days": 30}
+    attempt_with_logs(make_job, finished=NOW - dt.timedelta(days=31))
+    config = ReconcileConfig(batch_size=1)
+    assert reconcile_run_once(now=NOW, config=config, queue_depth=lambda q: 0).logs_pruned == 1
+    assert reconcile_run_once(now=NOW, config=config, queue_depth=lambda q: 0).logs_pruned == 2
+    assert reconcile_run_once(now=NOW, config=config, queue_depth=lambda q: 0).logs_pruned == 0
+
+
+@pytest.mark.django_db
+def test_the_prune_logs_command_loops_until_done(make_job, capsys):
+    now = db_now()
+    old = attempt_with_logs(make_job, finished=now - dt.timedelta(days=10))
+    recent = attempt_with_logs(make_job, finished=now - dt.timedelta(days=2))
+
+    call_command("prune_logs", "--days", "5", "--batch-size", "1")
+    assert "pruned 3" in capsys.readouterr().out
+    assert not LogChunk.objects.filter(attempt=old).exists()
+    assert LogChunk.objects.filter(attempt=recent).count() == 2
