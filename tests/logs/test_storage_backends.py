@@ -1,0 +1,91 @@
+"""Log content through Django's storage interface, on two backends configured the way an
+operator would (STORAGES["scheduler_logs"]): FileSystemStorage in a directory of the test's,
+and django-storages' S3Storage against moto's in-process S3. A chunk above the inline size
+goes to the backend, reads back through the API, and retention deletes it there."""
+
+from __future__ import annotations
+
+import datetime as dt
+
+import boto3
+import moto
+import pytest
+from django.conf import settings as django_settings
+from django.core.files.storage import storages
+
+from jobs.models import Attempt
+from logs_app.models import LogChunk
+from logs_app.retention import logs_prune
+from tests.logs.test_api import NOW, logs_url, running_attempt, ship, succeed
+
+BUCKET = "scheduler-logs-test"
+
+
+def with_log_storage(settings, backend: str, options: dict) -> None:
+    """Override STORAGES; Django's setting_changed handler drops the cached backends."""
+    settings.STORAGES = {
+        **django_settings.STORAGES,
+        "scheduler_logs": {"BACKEND": backend, "OPTIONS": options},
+    }
+
+
+def big_chunk_round_trip(api, make_job) -> LogChunk:
+    """Ship a small chunk and one over the inline size, end the attempt, read both back."""
+    attempt = running_attempt(make_job)
+    ship(attempt, 0, 0, 3)
+    ship(attempt, 1, 3, 200, width=100)  # ~25 KB > inline_max_bytes (16 KB)
+    succeed(attempt)
+    big = LogChunk.objects.get(attempt=attempt, sequence=1)
+    assert big.byte_count > django_settings.SCHEDULER_LOGS["inline_max_bytes"]
+    assert big.content == "" and big.storage_name
+    assert LogChunk.objects.get(attempt=attempt, sequence=0).storage_name == ""
+
+    body = api.get(logs_url(attempt.run_id)).json()
+    assert [line["n"] for line in body["lines"]] == list(range(203))
+    assert body["lines"][-1]["text"] == "line 202" + "x" * 100
+    assert body["complete"] is True
+    Attempt.objects.filter(id=attempt.id).update(finished_at=NOW - dt.timedelta(days=40))
+    LogChunk.objects.filter(attempt=attempt).update(created_at=NOW - dt.timedelta(days=40))
+    return big
+
+
+@pytest.mark.django_db
+def test_filesystem_storage_in_a_directory_of_its_own(api, make_job, settings, tmp_path):
+    with_log_storage(
+        settings, "django.core.files.storage.FileSystemStorage", {"location": str(tmp_path)}
+    )
+    assert storages["scheduler_logs"].location == str(tmp_path)
+
+    big = big_chunk_round_trip(api, make_job)
+    assert (tmp_path / big.storage_name).is_file()
+    assert logs_prune(now=NOW, retention_days=30) == 3
+    assert not (tmp_path / big.storage_name).exists()
+
+
+@pytest.fixture
+def s3(monkeypatch):
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN"):
+        monkeypatch.setenv(name, "testing")
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    with moto.mock_aws():
+        client = boto3.client("s3", region_name="us-east-1")
+        client.create_bucket(Bucket=BUCKET)
+        yield client
+
+
+def object_names(client) -> list[str]:
+    return [item["Key"] for item in client.list_objects_v2(Bucket=BUCKET).get("Contents", [])]
+
+
+@pytest.mark.django_db
+def test_s3_storage_through_django_storages(api, make_job, settings, s3):
+    with_log_storage(
+        settings,
+        "storages.backends.s3.S3Storage",
+        {"bucket_name": BUCKET, "region_name": "us-east-1", "location": "run-logs"},
+    )
+
+    big = big_chunk_round_trip(api, make_job)
+    assert object_names(s3) == [f"run-logs/{big.storage_name}"]
+    assert logs_prune(now=NOW, retention_days=30) == 3
+    assert object_names(s3) == []
