@@ -80,6 +80,29 @@ def make_job(user):
     return make
 
 
+# The instant in-process tests pin their clocks to (far from any real clock's reach).
+PINNED_NOW = dt.datetime(2030, 1, 1, 12, 0, tzinfo=dt.UTC)
+
+
+@pytest.fixture
+def queued_run(make_job):
+    """make(**job_overrides): a one-time job due at PINNED_NOW, materialized by the
+    scheduler: its run is queued, with its outbox row pending."""
+    from dispatch.scheduler import SchedulerConfig, scheduler_run_once
+    from jobs.models import Run
+
+    def make(**overrides) -> Run:
+        job = make_job(
+            now=PINNED_NOW - dt.timedelta(minutes=1),
+            schedule={"kind": "once", "run_at": PINNED_NOW.isoformat()},
+            **overrides,
+        )
+        scheduler_run_once(now=PINNED_NOW, config=SchedulerConfig())
+        return Run.objects.select_related("job_version").get(job=job)
+
+    return make
+
+
 def pytest_collection_modifyitems(config, items):
     # Fail loudly rather than pass with nothing collected.
     if not items and not os.environ.get("ALLOW_EMPTY"):

@@ -14,30 +14,16 @@ from dispatch.models import OutboxMessage, OutboxState
 from dispatch.reaper import OutageGrace, ReaperConfig, reaper_run_once
 from dispatch.reconcile import ReconcileConfig, reconcile_run_once
 from dispatch.runtime import RunContext, run_execute_delivery
-from dispatch.scheduler import SchedulerConfig, scheduler_run_once
 from jobs.models import Attempt, AttemptState, Run, RunState
 from jobs.services import run_cancel_request
 from jobs.transitions import attempt_renew_lease, attempt_succeed, run_claim
+from tests.conftest import PINNED_NOW
 
-NOW = dt.datetime(2030, 1, 1, 12, 0, tzinfo=dt.UTC)
+NOW = PINNED_NOW
 
 
 def later(seconds: float) -> dt.datetime:
     return NOW + dt.timedelta(seconds=seconds)
-
-
-@pytest.fixture
-def queued_run(make_job):
-    def make(**overrides) -> Run:
-        job = make_job(
-            now=NOW - dt.timedelta(minutes=1),
-            schedule={"kind": "once", "run_at": NOW.isoformat()},
-            **overrides,
-        )
-        scheduler_run_once(now=NOW, config=SchedulerConfig())
-        return Run.objects.select_related("job_version").get(job=job)
-
-    return make
 
 
 def in_thread(call, errors: list) -> threading.Thread:

@@ -19,8 +19,9 @@ from jobs.models import Attempt, AttemptState, AuditEvent, Run, RunState
 from jobs.retry import CAUSE_ERROR
 from jobs.services import attempt_record_failure, run_replay_request
 from jobs.transitions import attempt_renew_lease, attempt_succeed, run_claim
+from tests.conftest import PINNED_NOW
 
-NOW = dt.datetime(2030, 1, 1, 12, 0, tzinfo=dt.UTC)
+NOW = PINNED_NOW
 LEASE = 30.0
 CONFIG = ReaperConfig()
 NO_JITTER = {"initial_delay_seconds": 10, "backoff_factor": 2.0, "jitter": False}
@@ -40,22 +41,6 @@ def snapshot(run_id) -> tuple[dict, list[dict]]:
         Run.objects.filter(id=run_id).values().get(),
         list(Attempt.objects.filter(run_id=run_id).order_by("number").values()),
     )
-
-
-@pytest.fixture
-def queued_run(make_job):
-    """make(**job_overrides): a one-time job due at NOW, materialized by the scheduler."""
-
-    def make(**overrides) -> Run:
-        job = make_job(
-            now=NOW - dt.timedelta(minutes=1),
-            schedule={"kind": "once", "run_at": NOW.isoformat()},
-            **overrides,
-        )
-        scheduler_run_once(now=NOW, config=SchedulerConfig())
-        return Run.objects.get(job=job)
-
-    return make
 
 
 def claim(run: Run, *, at: dt.datetime, timeout: float | None = None) -> Attempt:

@@ -20,8 +20,9 @@ from dispatch.runtime import LeaseKeeper, RunContext, run_execute_delivery
 from dispatch.scheduler import SchedulerConfig, scheduler_run_once
 from jobs.models import Attempt, AttemptState, AuditEvent, Job, JobState, Run, RunState
 from jobs.transitions import attempt_fail, attempt_succeed, run_claim
+from tests.conftest import PINNED_NOW
 
-NOW = dt.datetime(2030, 1, 1, 12, 0, tzinfo=dt.UTC)
+NOW = PINNED_NOW
 LEASE = 30.0
 
 
@@ -64,22 +65,6 @@ class Handler:
     def __call__(self, ctx):
         self.calls.append(ctx.attempt)
         return {"ran": True}
-
-
-@pytest.fixture
-def queued_run(make_job):
-    """make(**job_overrides): a one-time job's run, queued by the scheduler at NOW."""
-
-    def make(**overrides) -> Run:
-        job = make_job(
-            now=NOW - dt.timedelta(minutes=1),
-            schedule={"kind": "once", "run_at": NOW.isoformat()},
-            **overrides,
-        )
-        scheduler_run_once(now=NOW, config=SchedulerConfig())
-        return Run.objects.select_related("job_version").get(job=job)
-
-    return make
 
 
 def claim(run: Run, *, at: dt.datetime = NOW) -> Attempt:

@@ -1,6 +1,5 @@
 """Capture and shipping in the worker runtime, in-process against the real database."""
 
-import datetime as dt
 import logging
 import sys
 import time
@@ -9,26 +8,12 @@ import pytest
 from django.core.files.storage import storages
 
 from dispatch.runtime import run_execute_delivery
-from dispatch.scheduler import SchedulerConfig, scheduler_run_once
 from jobs.models import Run, RunState
 from logs_app.models import LogChunk, LogManifest
 from logs_app.store import chunk_lines, redact
+from tests.conftest import PINNED_NOW
 
-NOW = dt.datetime(2030, 1, 1, 12, 0, tzinfo=dt.UTC)
-
-
-@pytest.fixture
-def queued_run(make_job):
-    def make(**overrides) -> Run:
-        job = make_job(
-            now=NOW - dt.timedelta(minutes=1),
-            schedule={"kind": "once", "run_at": NOW.isoformat()},
-            **overrides,
-        )
-        scheduler_run_once(now=NOW, config=SchedulerConfig())
-        return Run.objects.select_related("job_version").get(job=job)
-
-    return make
+NOW = PINNED_NOW
 
 
 def stored_lines(run) -> list[dict]:
