@@ -21,23 +21,14 @@ from jobs.models import Attempt, AttemptState, Run, RunState
 from jobs.transitions import attempt_succeed, run_claim
 from logs_app import api as logs_api
 from logs_app.store import Chunk, chunk_ship, logs_seal
+from tests.conftest import PINNED_NOW
 
-NOW = dt.datetime(2030, 1, 1, 12, 0, tzinfo=dt.UTC)
-
-
-def queued_run(make_job, **overrides) -> Run:
-    job = make_job(
-        now=NOW - dt.timedelta(minutes=1),
-        schedule={"kind": "once", "run_at": NOW.isoformat()},
-        **overrides,
-    )
-    scheduler_run_once(now=NOW, config=SchedulerConfig())
-    return Run.objects.select_related("job_version").get(job=job)
+NOW = PINNED_NOW  # the clock of conftest's queued_run
 
 
-def running_attempt(make_job, **overrides) -> Attempt:
+def running_attempt(queued_run, **overrides) -> Attempt:
     """A claimed run's attempt, running, that the test ships chunks for by hand."""
-    run = queued_run(make_job, **overrides)
+    run = queued_run(**overrides)
     return run_claim(run_id=run.id, worker="test", now=NOW, lease_seconds=300)
 
 
@@ -77,8 +68,8 @@ def client_for(user) -> APIClient:
 
 
 @pytest.mark.django_db(transaction=True)
-def test_ten_thousand_lines_page_by_page_in_order_and_complete(api, make_job, monkeypatch):
-    run = queued_run(make_job)
+def test_ten_thousand_lines_page_by_page_in_order_and_complete(api, queued_run, monkeypatch):
+    run = queued_run()
 
     def handler(ctx):
         for index in range(10_000):
@@ -112,8 +103,8 @@ def test_ten_thousand_lines_page_by_page_in_order_and_complete(api, make_job, mo
 
 
 @pytest.mark.django_db
-def test_page_size_is_bounded_and_after_is_a_cursor(api, make_job):
-    attempt = running_attempt(make_job)
+def test_page_size_is_bounded_and_after_is_a_cursor(api, queued_run):
+    attempt = running_attempt(queued_run)
     ship(attempt, 0, 0, 10)
     body = api.get(logs_url(attempt.run_id), {"after": 6}).json()
     assert [line["n"] for line in body["lines"]] == [7, 8, 9]
@@ -122,8 +113,8 @@ def test_page_size_is_bounded_and_after_is_a_cursor(api, make_job):
 
 
 @pytest.mark.django_db
-def test_only_the_owner_staff_and_operators_see_the_logs(make_job, other_user):
-    attempt = running_attempt(make_job)
+def test_only_the_owner_staff_and_operators_see_the_logs(queued_run, other_user):
+    attempt = running_attempt(queued_run)
     ship(attempt, 0, 0, 3)
     url = logs_url(attempt.run_id)
     owner = attempt.run.job.owner
@@ -142,17 +133,17 @@ def test_only_the_owner_staff_and_operators_see_the_logs(make_job, other_user):
 
 
 @pytest.mark.django_db
-def test_an_attempt_the_run_does_not_have_is_404(api, make_job):
-    run = queued_run(make_job)
+def test_an_attempt_the_run_does_not_have_is_404(api, queued_run):
+    run = queued_run()
     assert api.get(logs_url(run.id)).status_code == 404  # no attempt yet
-    attempt = running_attempt(make_job)
+    attempt = running_attempt(queued_run)
     assert api.get(logs_url(attempt.run_id), {"attempt": 2}).status_code == 404
     assert api.get(logs_url(attempt.run_id), {"attempt": 1}).status_code == 200
 
 
 @pytest.mark.django_db(transaction=True)
-def test_each_attempt_has_its_own_log(api, make_job):
-    run = queued_run(make_job, retry={"max_attempts": 2, "initial_delay_seconds": 0})
+def test_each_attempt_has_its_own_log(api, queued_run):
+    run = queued_run(retry={"max_attempts": 2, "initial_delay_seconds": 0})
     calls = []
 
     def handler(ctx):
@@ -181,8 +172,8 @@ def test_each_attempt_has_its_own_log(api, make_job):
 
 
 @pytest.mark.django_db
-def test_a_lost_attempt_shows_what_it_shipped_as_incomplete(api, make_job):
-    attempt = running_attempt(make_job)
+def test_a_lost_attempt_shows_what_it_shipped_as_incomplete(api, queued_run):
+    attempt = running_attempt(queued_run)
     ship(attempt, 0, 0, 4)
     Attempt.objects.filter(id=attempt.id).update(state=AttemptState.LOST, finished_at=NOW)
     # A stale worker can add nothing once the attempt is lost.
@@ -197,8 +188,8 @@ def test_a_lost_attempt_shows_what_it_shipped_as_incomplete(api, make_job):
 
 
 @pytest.mark.django_db
-def test_a_running_attempt_gives_a_next_to_poll(api, make_job):
-    attempt = running_attempt(make_job)
+def test_a_running_attempt_gives_a_next_to_poll(api, queued_run):
+    attempt = running_attempt(queued_run)
     ship(attempt, 0, 0, 3)
     body = api.get(logs_url(attempt.run_id)).json()
     assert body["ended"] is False and body["complete"] is False
@@ -221,8 +212,8 @@ def _in_thread(target) -> threading.Thread:
 
 
 @pytest.mark.django_db(transaction=True)
-def test_follow_returns_new_lines_as_they_ship_and_ends_with_the_attempt(api, make_job):
-    attempt = running_attempt(make_job)
+def test_follow_returns_new_lines_as_they_ship_and_ends_with_the_attempt(api, queued_run):
+    attempt = running_attempt(queued_run)
     ship(attempt, 0, 0, 2)
     first = api.get(logs_url(attempt.run_id)).json()
     assert [line["n"] for line in first["lines"]] == [0, 1]
@@ -256,8 +247,8 @@ def test_follow_returns_new_lines_as_they_ship_and_ends_with_the_attempt(api, ma
 
 
 @pytest.mark.django_db(transaction=True)
-def test_follow_gives_up_after_the_wait_with_no_lines(api, make_job):
-    attempt = running_attempt(make_job)
+def test_follow_gives_up_after_the_wait_with_no_lines(api, queued_run):
+    attempt = running_attempt(queued_run)
     started = time.monotonic()
     body = api.get(logs_url(attempt.run_id), {"follow": "true", "wait": 1}).json()
     assert 0.7 < time.monotonic() - started < 3
@@ -265,8 +256,8 @@ def test_follow_gives_up_after_the_wait_with_no_lines(api, make_job):
 
 
 @pytest.mark.django_db
-def test_text_download_streams_one_line_per_log_line(api, make_job):
-    attempt = running_attempt(make_job)
+def test_text_download_streams_one_line_per_log_line(api, queued_run):
+    attempt = running_attempt(queued_run)
     ship(attempt, 0, 0, 2)
     succeed(attempt, [Chunk(1, 2, log_lines(2, 1, text="end"))])
     for response in (
@@ -285,8 +276,8 @@ def test_text_download_streams_one_line_per_log_line(api, make_job):
 
 
 @pytest.mark.django_db
-def test_the_admin_shows_an_attempts_log_to_staff(client, make_job):
-    attempt = running_attempt(make_job)
+def test_the_admin_shows_an_attempts_log_to_staff(client, queued_run):
+    attempt = running_attempt(queued_run)
     ship(attempt, 0, 0, 3, text="admin sees")
     staff = get_user_model().objects.create_superuser("admin-logs", password="pw")
     client.force_login(staff)

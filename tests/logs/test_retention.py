@@ -19,10 +19,10 @@ from tests.logs.test_api import NOW, running_attempt, ship, succeed
 INLINE_MAX = 16 * 1024
 
 
-def attempt_with_logs(make_job, *, finished: dt.datetime | None) -> Attempt:
+def attempt_with_logs(queued_run, *, finished: dt.datetime | None) -> Attempt:
     """An attempt with an inline chunk and one big enough for the storage; ended with its
     manifest at `finished`, or still running when None."""
-    attempt = running_attempt(make_job)
+    attempt = running_attempt(queued_run)
     ship(attempt, 0, 0, 5)
     ship(attempt, 1, 5, 300, width=100)  # ~40 KB: in the storage backend
     if finished is not None:
@@ -44,11 +44,11 @@ def stored_names(attempt: Attempt) -> list[str]:
 
 
 @pytest.mark.django_db
-def test_old_finished_attempts_lose_their_logs_recent_and_running_keep_them(make_job, settings):
+def test_old_finished_attempts_lose_their_logs_recent_and_running_keep_them(queued_run, settings):
     settings.SCHEDULER_LOGS = {**settings.SCHEDULER_LOGS, "retention_days": 30}
-    old = attempt_with_logs(make_job, finished=NOW - dt.timedelta(days=31))
-    recent = attempt_with_logs(make_job, finished=NOW - dt.timedelta(days=29))
-    running = attempt_with_logs(make_job, finished=None)
+    old = attempt_with_logs(queued_run, finished=NOW - dt.timedelta(days=31))
+    recent = attempt_with_logs(queued_run, finished=NOW - dt.timedelta(days=29))
+    running = attempt_with_logs(queued_run, finished=None)
     (old_file,) = stored_names(old)
     assert storages["scheduler_logs"].exists(old_file)
     # However old its chunks, a running attempt's log is kept.
@@ -70,8 +70,8 @@ def test_old_finished_attempts_lose_their_logs_recent_and_running_keep_them(make
 
 
 @pytest.mark.django_db
-def test_pruning_is_batched_and_manifests_go_last(make_job):
-    old = attempt_with_logs(make_job, finished=NOW - dt.timedelta(days=100))
+def test_pruning_is_batched_and_manifests_go_last(queued_run):
+    old = attempt_with_logs(queued_run, finished=NOW - dt.timedelta(days=100))
 
     assert logs_prune(now=NOW, retention_days=30, batch_size=1) == 1
     # One chunk left: the manifest waits, so the log never shows as complete but partial.
@@ -81,9 +81,9 @@ def test_pruning_is_batched_and_manifests_go_last(make_job):
 
 
 @pytest.mark.django_db
-def test_reconciliation_prunes_one_batch_per_pass(make_job, settings):
+def test_reconciliation_prunes_one_batch_per_pass(queued_run, settings):
     settings.SCHEDULER_LOGS = {**settings.SCHEDULER_LOGS, "retention_days": 30}
-    attempt_with_logs(make_job, finished=NOW - dt.timedelta(days=31))
+    attempt_with_logs(queued_run, finished=NOW - dt.timedelta(days=31))
     config = ReconcileConfig(batch_size=1)
     assert reconcile_run_once(now=NOW, config=config, queue_depth=lambda q: 0).logs_pruned == 1
     assert reconcile_run_once(now=NOW, config=config, queue_depth=lambda q: 0).logs_pruned == 2
@@ -91,10 +91,10 @@ def test_reconciliation_prunes_one_batch_per_pass(make_job, settings):
 
 
 @pytest.mark.django_db
-def test_the_prune_logs_command_loops_until_done(make_job, capsys):
+def test_the_prune_logs_command_loops_until_done(queued_run, capsys):
     now = db_now()
-    old = attempt_with_logs(make_job, finished=now - dt.timedelta(days=10))
-    recent = attempt_with_logs(make_job, finished=now - dt.timedelta(days=2))
+    old = attempt_with_logs(queued_run, finished=now - dt.timedelta(days=10))
+    recent = attempt_with_logs(queued_run, finished=now - dt.timedelta(days=2))
 
     call_command("prune_logs", "--days", "5", "--batch-size", "1")
     assert "pruned 3" in capsys.readouterr().out

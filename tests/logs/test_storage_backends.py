@@ -29,9 +29,9 @@ def with_log_storage(settings, backend: str, options: dict) -> None:
     }
 
 
-def big_chunk_round_trip(api, make_job) -> LogChunk:
+def big_chunk_round_trip(api, queued_run) -> LogChunk:
     """Ship a small chunk and one over the inline size, end the attempt, read both back."""
-    attempt = running_attempt(make_job)
+    attempt = running_attempt(queued_run)
     ship(attempt, 0, 0, 3)
     ship(attempt, 1, 3, 200, width=100)  # ~25 KB > inline_max_bytes (16 KB)
     succeed(attempt)
@@ -50,13 +50,13 @@ def big_chunk_round_trip(api, make_job) -> LogChunk:
 
 
 @pytest.mark.django_db
-def test_filesystem_storage_in_a_directory_of_its_own(api, make_job, settings, tmp_path):
+def test_filesystem_storage_in_a_directory_of_its_own(api, queued_run, settings, tmp_path):
     with_log_storage(
         settings, "django.core.files.storage.FileSystemStorage", {"location": str(tmp_path)}
     )
     assert storages["scheduler_logs"].location == str(tmp_path)
 
-    big = big_chunk_round_trip(api, make_job)
+    big = big_chunk_round_trip(api, queued_run)
     assert (tmp_path / big.storage_name).is_file()
     assert logs_prune(now=NOW, retention_days=30) == 3
     assert not (tmp_path / big.storage_name).exists()
@@ -78,14 +78,14 @@ def object_names(client) -> list[str]:
 
 
 @pytest.mark.django_db
-def test_s3_storage_through_django_storages(api, make_job, settings, s3):
+def test_s3_storage_through_django_storages(api, queued_run, settings, s3):
     with_log_storage(
         settings,
         "storages.backends.s3.S3Storage",
         {"bucket_name": BUCKET, "region_name": "us-east-1", "location": "run-logs"},
     )
 
-    big = big_chunk_round_trip(api, make_job)
+    big = big_chunk_round_trip(api, queued_run)
     assert object_names(s3) == [f"run-logs/{big.storage_name}"]
     assert logs_prune(now=NOW, retention_days=30) == 3
     assert object_names(s3) == []
