@@ -2,6 +2,8 @@
 services as the API (each action is audited with its actor)."""
 
 from django.contrib import admin, messages
+from django.urls import reverse
+from django.utils.html import format_html
 
 from dispatch.clock import db_now
 
@@ -66,9 +68,15 @@ class AttemptInline(admin.TabularInline):
         "lease_expires_at",
         "finished_at",
         "error",
+        "logs",
     )
     readonly_fields = fields
     can_delete = False
+
+    @admin.display(description="logs")
+    def logs(self, attempt):
+        url = reverse("admin:logs_app_attempt_log", args=[attempt.id])
+        return format_html('<a href="{}">view</a>', url)
 
 
 @admin.register(Run)

@@ -24,7 +24,7 @@ import threading
 from typing import TextIO
 
 from django.conf import settings
-from django.db import DatabaseError, connection
+from django.db import connection
 
 from jobs.models import Attempt
 
@@ -160,7 +160,7 @@ class LogCapture:
         for chunk in batch:
             try:
                 stored = chunk_ship(attempt=self.attempt, chunk=chunk, now=now)
-            except (DatabaseError, OSError):
+            except Exception:  # noqa: BLE001 - the database or any storage backend is away
                 log.warning("log shipping failed; keeping %d chunks to retry", len(batch))
                 connection.close()
                 return

@@ -72,12 +72,14 @@ def _place(attempt: Attempt, chunk: Chunk, data: bytes) -> tuple[str, str]:
         if storage.exists(name):  # a re-send: same sequence, same content
             storage.delete(name)
         return "", storage.save(name, ContentFile(data))
-    except OSError as exc:
+    except Exception as exc:  # noqa: BLE001 - any backend's failure (boto3's are not OSError)
         log.warning("log storage unavailable, keeping chunk inline: %r", exc)
         return data.decode(), ""
 
 
 def _insert(attempt: Attempt, chunk: Chunk, now: dt.datetime) -> None:
+    if LogChunk.objects.filter(attempt=attempt, sequence=chunk.sequence).exists():
+        return  # a re-send of a chunk already stored: nothing to place again
     data = chunk.encode()
     content, name = _place(attempt, chunk, data)
     LogChunk.objects.get_or_create(

@@ -284,6 +284,8 @@ def test_the_admin_shows_an_attempts_log_to_staff(client, queued_run):
     page = client.get(reverse("admin:logs_app_attempt_log", args=[attempt.id]))
     assert page.status_code == 200
     assert "admin sees 2" in page.content.decode()
+    run_page = client.get(reverse("admin:jobs_run_change", args=[attempt.run_id]))
+    assert reverse("admin:logs_app_attempt_log", args=[attempt.id]) in run_page.content.decode()
     assert client.get(reverse("admin:logs_app_logchunk_changelist")).status_code == 200
     succeed(attempt)
     assert client.get(reverse("admin:logs_app_logmanifest_changelist")).status_code == 200

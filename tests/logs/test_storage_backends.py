@@ -89,3 +89,34 @@ def test_s3_storage_through_django_storages(api, queued_run, settings, s3):
     assert object_names(s3) == [f"run-logs/{big.storage_name}"]
     assert logs_prune(now=NOW, retention_days=30) == 3
     assert object_names(s3) == []
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_storage_backend_that_fails_keeps_chunks_inline_and_the_run_succeeds(
+    queued_run, settings, s3
+):
+    from dispatch.runtime import run_execute_delivery
+    from jobs.models import RunState
+    from logs_app.models import LogManifest
+    from logs_app.store import chunk_lines
+
+    # A bucket that does not exist: every save raises boto3's ClientError (not an OSError).
+    with_log_storage(
+        settings,
+        "storages.backends.s3.S3Storage",
+        {"bucket_name": "no-such-bucket", "region_name": "us-east-1"},
+    )
+    run = queued_run()
+
+    def handler(ctx):
+        for index in range(300):
+            print(f"line {index} " + "y" * 100)  # ~35 KB: above the inline size
+
+    run_execute_delivery(run_id=str(run.id), handler=handler, worker="w", message_id="m")
+    run.refresh_from_db()
+    assert run.state == RunState.SUCCEEDED
+    chunks = list(LogChunk.objects.filter(run=run).order_by("sequence"))
+    assert all(chunk.storage_name == "" for chunk in chunks)
+    lines = [line["n"] for chunk in chunks for line in chunk_lines(chunk)]
+    assert lines == list(range(300))
+    assert LogManifest.objects.get(attempt__run=run).line_count == 300
