@@ -29,8 +29,8 @@ STORAGE_ALIAS = "scheduler_logs"
 # Keys whose values are redacted before anything is stored (SPEC, "Security").
 SECRET = re.compile(
     r"""(?P<key>["']?\b[\w-]*(?:password|passwd|token|secret|api[_-]?key|authorization)[\w-]*["']?)"""
-    r"""(?P<sep>\s*[:=]\s*|\s+)"""
-    r"""(?P<value>"[^"]*"|'[^']*'|(?:bearer|basic|token)\s+\S+|[^\s,;&]+)""",
+    r"""(?P<sep>\s*[:=]\s*)"""
+    r"""(?P<value>"[^"]*"|'[^']*'|(?:bearer|basic|token)\s+\S+|[^\s,;&'"()\[\]{}<>]+)""",
     re.IGNORECASE,
 )
 

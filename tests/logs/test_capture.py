@@ -104,6 +104,9 @@ def test_the_per_attempt_limit_truncates_with_a_marker(queued_run, settings):
         ("db_token='s3cr3t'", "db_token='[REDACTED]'"),
         ("client_secret: zz; ok", "client_secret: [REDACTED]; ok"),
         ("nothing to hide here", "nothing to hide here"),
+        ("args=('a', 'password=hunter2') next", "args=('a', 'password=[REDACTED]') next"),
+        ("url?token=abc&x=1", "url?token=[REDACTED]&x=1"),
+        ("refreshing the token for bob", "refreshing the token for bob"),
     ],
 )
 def test_secret_looking_values_are_redacted(line, expected):
