@@ -11,6 +11,7 @@ import logging
 import threading
 import time
 import traceback
+import uuid
 from collections.abc import Callable, Iterator
 from typing import TypeVar
 
@@ -210,10 +211,18 @@ def _claim(*, run_id: str, worker: str) -> tuple[Run | None, Attempt | None]:
     The message was acknowledged when the pool accepted it (docs/semantics.md), so giving
     up here loses nothing: the run stays queued and reconciliation publishes it again."""
 
+    claim_id = uuid.uuid4()
+
     def claim() -> tuple[Run | None, Attempt | None]:
         run = Run.objects.select_related("job_version").filter(id=run_id).first()
         if run is None:
             return None, None
+        # A retry after an ambiguous commit: the first try may have claimed it after all.
+        mine = Attempt.objects.filter(
+            run_id=run_id, claim_id=claim_id, state=AttemptState.RUNNING
+        ).first()
+        if mine is not None:
+            return run, mine
         spec = run.job_version.spec
         return run, run_claim(
             run_id=run_id,
@@ -221,6 +230,7 @@ def _claim(*, run_id: str, worker: str) -> tuple[Run | None, Attempt | None]:
             now=db_now(),
             lease_seconds=spec["heartbeat_timeout_seconds"],
             timeout_seconds=spec.get("timeout_seconds"),
+            claim_id=claim_id,
         )
 
     return _with_database_retries(claim)
@@ -255,6 +265,11 @@ def _failure_writer(
             )
             if outcome is not None:
                 logs_seal(attempt=attempt, chunks=chunks, dropped_lines=dropped, now=now)
+        if outcome is None and Attempt.objects.filter(
+            id=attempt.id, state__in=[AttemptState.FAILED, AttemptState.TIMED_OUT], error=error
+        ).exists():
+            # A retry after an ambiguous commit: the first try did record this failure.
+            return Run.objects.filter(id=run.id).values_list("state", flat=True).first()
         return outcome
 
     return write
@@ -316,6 +331,10 @@ def run_execute_delivery(*, run_id: str, handler: Callable, worker: str, message
                 won = attempt_succeed(attempt=attempt, now=now, result=_storable_result(result))
                 if won:  # the logs are complete whenever the run shows its success
                     logs_seal(attempt=attempt, chunks=chunks, dropped_lines=dropped, now=now)
+            # Refused, yet succeeded: a retry after an ambiguous commit of this very write.
+            won = won or (
+                Attempt.objects.filter(id=attempt.id, state=AttemptState.SUCCEEDED).exists()
+            )
             return RunState.SUCCEEDED if won else None
 
     outcome = _with_database_retries(write)

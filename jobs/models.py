@@ -186,6 +186,9 @@ class Attempt(models.Model):
     fencing_token = models.PositiveIntegerField()
     state = models.CharField(max_length=16, choices=AttemptState.choices)
     worker = models.CharField(max_length=200, blank=True, default="")
+    # Unique per claim call: a worker whose claim's commit was ambiguous (the connection
+    # dropped during COMMIT) recognizes its own attempt when it asks again.
+    claim_id = models.UUIDField(null=True, blank=True)
     lease_expires_at = models.DateTimeField()
     # started_at + timeout_seconds: the worker stops the handler then; the reaper after.
     deadline_at = models.DateTimeField(null=True, blank=True)

@@ -7,6 +7,7 @@ leave, or whose fencing token is no longer current, changes nothing and returns 
 from __future__ import annotations
 
 import datetime as dt
+import uuid
 from collections.abc import Iterable
 
 from django.db import connection, transaction
@@ -131,6 +132,7 @@ def run_claim(
     now: dt.datetime,
     lease_seconds: float,
     timeout_seconds: float | None = None,
+    claim_id: uuid.UUID | None = None,
 ) -> Attempt | None:
     """queued -> running, with a new attempt holding the next fencing token and a lease.
 
@@ -169,6 +171,7 @@ def run_claim(
             fencing_token=token,
             state=AttemptState.RUNNING,
             worker=worker[:200],
+            claim_id=claim_id,
             lease_expires_at=now + dt.timedelta(seconds=lease_seconds),
             deadline_at=now + dt.timedelta(seconds=timeout_seconds) if timeout_seconds else None,
             heartbeat_at=now,

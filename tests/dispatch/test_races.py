@@ -220,3 +220,80 @@ def test_an_expired_attempt_whose_run_moved_on_is_ended_alone(queued_run):
     assert (first.lost, again.lost, again.batch_full) == (0, 0, False)
     run.refresh_from_db()
     assert (run.state, run.next_attempt_at) == (RunState.RETRY_WAIT, later(999))
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_claim_whose_commit_answer_was_lost_is_recognized_on_retry(queued_run, monkeypatch):
+    from django.db import OperationalError
+
+    import dispatch.runtime as runtime
+    from dispatch.models import Counter
+
+    run = queued_run()
+    real_claim = runtime.run_claim
+    failures = []
+
+    def commits_then_loses_the_answer(**kwargs):
+        attempt = real_claim(**kwargs)  # committed
+        if not failures:
+            failures.append(attempt)
+            raise OperationalError("server closed the connection unexpectedly")
+        return attempt
+
+    monkeypatch.setattr(runtime, "run_claim", commits_then_loses_the_answer)
+    monkeypatch.setattr(runtime.time, "sleep", lambda seconds: None)
+    calls = []
+    result = run_execute_delivery(
+        run_id=str(run.id), handler=lambda ctx: calls.append(ctx.attempt), worker="w",
+        message_id="m",
+    )  # fmt: skip
+
+    assert failures and calls == [1]
+    assert result["outcome"] == RunState.SUCCEEDED
+    run.refresh_from_db()
+    assert (run.state, run.attempt_count, run.duplicate_deliveries) == (RunState.SUCCEEDED, 1, 0)
+    assert not Counter.objects.filter(name="scheduler_duplicate_deliveries_total").exists()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_completion_whose_commit_answer_was_lost_is_not_counted_stale(queued_run, monkeypatch):
+    from django.db import OperationalError
+
+    import dispatch.runtime as runtime
+    from dispatch.models import Counter
+
+    run = queued_run()
+    real_succeed = runtime.attempt_succeed
+    failures = []
+
+    def commits_then_loses_the_answer(**kwargs):
+        won = real_succeed(**kwargs)
+        if not failures:
+            failures.append(won)
+            raise_after_commit.append(True)  # lose the answer once its transaction commits
+        return won
+
+    raise_after_commit: list = []
+    real_retries = runtime._with_database_retries
+
+    def flaky(write):
+        def once():
+            value = write()
+            if raise_after_commit:
+                raise_after_commit.clear()
+                raise OperationalError("server closed the connection unexpectedly")
+            return value
+
+        return real_retries(once)
+
+    monkeypatch.setattr(runtime, "attempt_succeed", commits_then_loses_the_answer)
+    monkeypatch.setattr(runtime, "_with_database_retries", flaky)
+    monkeypatch.setattr(runtime.time, "sleep", lambda seconds: None)
+    result = run_execute_delivery(
+        run_id=str(run.id), handler=lambda ctx: "done", worker="w", message_id="m"
+    )
+
+    assert failures == [True]
+    assert result["outcome"] == RunState.SUCCEEDED
+    assert Run.objects.get(id=run.id).state == RunState.SUCCEEDED
+    assert not Counter.objects.filter(name="scheduler_stale_completions_total").exists()
