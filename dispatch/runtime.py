@@ -265,9 +265,12 @@ def _failure_writer(
             )
             if outcome is not None:
                 logs_seal(attempt=attempt, chunks=chunks, dropped_lines=dropped, now=now)
-        if outcome is None and Attempt.objects.filter(
-            id=attempt.id, state__in=[AttemptState.FAILED, AttemptState.TIMED_OUT], error=error
-        ).exists():
+        if (
+            outcome is None
+            and Attempt.objects.filter(
+                id=attempt.id, state__in=[AttemptState.FAILED, AttemptState.TIMED_OUT], error=error
+            ).exists()
+        ):
             # A retry after an ambiguous commit: the first try did record this failure.
             return Run.objects.filter(id=run.id).values_list("state", flat=True).first()
         return outcome

@@ -156,10 +156,16 @@ def attempt_record_failure(
         if attempt_to == AttemptState.LOST:
             counter_increment("scheduler_lease_expired_total")
         if retry_at is None:
-            job = Job.objects.filter(runs__id=attempt.run_id).first()
-            if job is not None and job.spec.get("pause_after_failures"):
-                job_pause_if_failing(job=job, now=now)
+            # After the commit, in its own transaction: pausing locks the job row, and doing
+            # it here (attempt and run locked) would invert the scheduler's job-then-run order.
+            transaction.on_commit(lambda: _pause_job_of_run_if_failing(attempt.run_id, now))
     return "retry_wait" if retry_at else "failed"
+
+
+def _pause_job_of_run_if_failing(run_id, now: dt.datetime) -> None:
+    job = Job.objects.filter(runs__id=run_id).first()
+    if job is not None and job.spec.get("pause_after_failures"):
+        job_pause_if_failing(job=job, now=now)
 
 
 def run_cancel_request(*, run: Run, actor: AbstractBaseUser | None, now: dt.datetime) -> bool:

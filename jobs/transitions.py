@@ -85,14 +85,16 @@ def run_cancel(*, run_id, now: dt.datetime) -> bool:
     with transaction.atomic():
         # Attempt before run, the order every completion (`_finish`) locks them in: the
         # opposite order deadlocks against a worker or the reaper ending the same attempt.
-        running = list(
+        list(
             Attempt.objects.select_for_update()
             .filter(run_id=run_id, state=AttemptState.RUNNING)
             .values_list("id", flat=True)
         )
         cancelled = _move_runs([run_id], RunState.CANCELLED, finished_at=now, next_attempt_at=None)
-        if cancelled and running:
-            Attempt.objects.filter(id__in=running, state=AttemptState.RUNNING).update(
+        if cancelled:
+            # A fresh look, not just `running`: a claim that committed while this update
+            # waited on the run row has made an attempt the first look could not see.
+            Attempt.objects.filter(run_id=run_id, state=AttemptState.RUNNING).update(
                 state=AttemptState.CANCELLED, finished_at=now, error="cancelled by request"
             )
         return bool(cancelled)

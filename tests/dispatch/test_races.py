@@ -14,6 +14,7 @@ from dispatch.models import OutboxMessage, OutboxState
 from dispatch.reaper import OutageGrace, ReaperConfig, reaper_run_once
 from dispatch.reconcile import ReconcileConfig, reconcile_run_once
 from dispatch.runtime import RunContext, run_execute_delivery
+from dispatch.scheduler import SchedulerConfig, scheduler_run_once
 from jobs.models import Attempt, AttemptState, Run, RunState
 from jobs.services import run_cancel_request
 from jobs.transitions import attempt_renew_lease, attempt_succeed, run_claim
@@ -297,3 +298,75 @@ def test_a_completion_whose_commit_answer_was_lost_is_not_counted_stale(queued_r
     assert result["outcome"] == RunState.SUCCEEDED
     assert Run.objects.get(id=run.id).state == RunState.SUCCEEDED
     assert not Counter.objects.filter(name="scheduler_stale_completions_total").exists()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_cancel_waiting_on_a_claim_in_flight_cancels_the_attempt_it_made(queued_run):
+    from django.db import connections
+
+    from tests.jobs.test_races import wait_for_lock_waiters
+
+    run = queued_run()
+    result = {}
+
+    def cancel():
+        try:
+            result["cancelled"] = run_cancel_request(run=run, actor=None, now=NOW)
+        finally:
+            connections.close_all()
+
+    with transaction.atomic():
+        attempt = run_claim(run_id=run.id, worker="w", now=NOW, lease_seconds=60)
+        thread = threading.Thread(target=cancel)
+        thread.start()
+        wait_for_lock_waiters(1)  # the cancel saw no running attempt; it waits on the run row
+    thread.join(30)
+    run.refresh_from_db()
+    attempt.refresh_from_db()
+    assert result["cancelled"] and run.state == RunState.CANCELLED
+    assert attempt.state == AttemptState.CANCELLED
+    assert not attempt_renew_lease(attempt=attempt, now=NOW, lease_seconds=60)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_final_failure_pausing_its_job_never_deadlocks_with_cancel_previous(make_job):
+    from django.db import DatabaseError, connections
+
+    from jobs.models import Job
+    from jobs.services import attempt_record_failure
+    from tests.jobs.test_races import wait_for_lock_waiters
+
+    job = make_job(
+        now=NOW,
+        schedule={"kind": "interval", "every_seconds": 60},
+        overlap="cancel_previous",
+        pause_after_failures=1,
+        retry={"max_attempts": 1},
+    )
+    scheduler_run_once(now=later(1), config=SchedulerConfig())
+    run = Run.objects.get(job=job)
+    attempt = run_claim(run_id=run.id, worker="w", now=NOW, lease_seconds=3600)
+    errors = {}
+
+    def worker():
+        try:
+            attempt_record_failure(attempt=attempt, spec=job.spec, retry_base=0, cause="error",
+                                   error="boom", now=later(61), by="worker")  # fmt: skip
+        except DatabaseError as exc:
+            errors["worker"] = exc
+        finally:
+            connections.close_all()
+
+    try:
+        with transaction.atomic():
+            Job.objects.select_for_update().get(id=job.id)  # a scheduler pass holds the job
+            thread = threading.Thread(target=worker)
+            thread.start()
+            wait_for_lock_waiters(1)  # the worker's pause (after its commit) waits on the job
+            scheduler_run_once(now=later(61), config=SchedulerConfig())
+    except DatabaseError as exc:
+        errors["scheduler"] = exc
+    thread.join(30)
+    assert not errors, {k: repr(v)[:200] for k, v in errors.items()}
+    assert Run.objects.get(id=run.id).state == RunState.FAILED
+    assert Job.objects.get(id=job.id).state == "paused"

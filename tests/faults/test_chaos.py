@@ -1,9 +1,12 @@
-"""Chaos: processes SIGKILLed at random while a few hundred runs fall due, RabbitMQ and
-PostgreSQL each restarted once; afterwards the invariant checker reads the database."""
+"""Chaos: processes SIGKILLed (and workers SIGSTOPped past their leases) at random while a
+few hundred runs fall due, RabbitMQ and PostgreSQL each restarted once; afterwards the
+invariant checker reads the database."""
 
 import os
 import random
+import signal
 import subprocess
+import threading
 import time
 
 import pytest
@@ -38,6 +41,12 @@ def restart_postgresql() -> None:
         check=True, capture_output=True, timeout=120,
     )  # fmt: skip
     connection.close()  # this process's own connection died with the server
+
+
+def _resume(stack, name: str, paused: set) -> None:
+    if name in paused:  # not killed (and restarted) while it was frozen
+        paused.discard(name)
+        stack.signal_group(name, signal.SIGCONT)
 
 
 def _database(call, *, timeout: float = 60.0):
@@ -79,13 +88,24 @@ def test_chaos_kills_and_restarts_lose_nothing_and_double_nothing(stack, report_
     kills: dict[str, int] = {}
     restarts = {"rabbitmq": False, "postgresql": False}
     chaos_started = time.monotonic()
+    pauses: list[threading.Timer] = []
+    paused: set[str] = set()
     while time.monotonic() - chaos_started < CHAOS_SECONDS:
         time.sleep(rng.uniform(2, 4))
         victim = rng.choice(victims)
-        stack.kill(victim)
         kind = victim.split("-")[0]
-        kills[kind] = kills.get(kind, 0) + 1
-        stack.restart(victim)  # as a supervisor (systemd, Kubernetes) would
+        if kind == "worker" and victim not in paused and rng.random() < 0.4:
+            # Frozen past its lease (3 s), then resumed: its late writes must be refused.
+            stack.signal_group(victim, signal.SIGSTOP)
+            paused.add(victim)
+            timer = threading.Timer(rng.uniform(5, 8), _resume, (stack, victim, paused))
+            timer.start()
+            pauses.append(timer)
+        else:
+            stack.kill(victim)
+            paused.discard(victim)
+            kills[kind] = kills.get(kind, 0) + 1
+            stack.restart(victim)  # as a supervisor (systemd, Kubernetes) would
         elapsed = time.monotonic() - chaos_started
         if elapsed > 12 and not restarts["rabbitmq"]:
             restart_rabbitmq()
@@ -93,6 +113,8 @@ def test_chaos_kills_and_restarts_lose_nothing_and_double_nothing(stack, report_
         if elapsed > 35 and not restarts["postgresql"]:
             restart_postgresql()
             restarts["postgresql"] = True
+    for timer in pauses:
+        timer.join()
     faults_ended = time.monotonic()
 
     for name, process in stack.processes.items():
@@ -127,6 +149,7 @@ def test_chaos_kills_and_restarts_lose_nothing_and_double_nothing(stack, report_
     )
     report_figure(
         f"{RUNS} runs due over {DUE_OVER_SECONDS}s; {sum(kills.values())} SIGKILLs {kills}, "
+        f"{len(pauses)} workers SIGSTOPped for 5-8 s, "
         f"RabbitMQ and PostgreSQL restarted once each; states {states}; "
         f"leases expired {counter('scheduler_lease_expired_total')}, duplicate deliveries "
         f"refused {duplicates}, stale writes refused {stale}, reconciliation repairs {repairs}; "

@@ -405,7 +405,9 @@ def test_run_latest_does_not_run_a_missed_occurrence_when_a_later_one_is_due(mak
     assert queued.first().scheduled_for == at(hours=1, minutes=40)
 
 
-def test_the_failure_that_reaches_pause_after_failures_pauses_the_job_at_once(make_job):
+def test_the_failure_that_reaches_pause_after_failures_pauses_the_job_at_once(
+    make_job, django_capture_on_commit_callbacks
+):
     from jobs.retry import CAUSE_ERROR
     from jobs.services import attempt_record_failure
 
@@ -420,15 +422,16 @@ def test_the_failure_that_reaches_pause_after_failures_pauses_the_job_at_once(ma
         run = Run.objects.select_related("job_version").get(
             job=job, scheduled_for=at(minutes=minute)
         )
-        outcome = attempt_record_failure(
-            attempt=claim(run, at(minutes=minute, seconds=1)),
-            spec=run.job_version.spec,
-            retry_base=0,
-            cause=CAUSE_ERROR,
-            error="boom",
-            now=at(minutes=minute, seconds=2),
-            by="worker:test",
-        )
+        with django_capture_on_commit_callbacks(execute=True):
+            outcome = attempt_record_failure(
+                attempt=claim(run, at(minutes=minute, seconds=1)),
+                spec=run.job_version.spec,
+                retry_base=0,
+                cause=CAUSE_ERROR,
+                error="boom",
+                now=at(minutes=minute, seconds=2),
+                by="worker:test",
+            )
         assert outcome == "failed"
         # Paused by the second failure itself, not by a later scheduler pass.
         assert reload(job).state == (JobState.ACTIVE if minute == 0 else JobState.PAUSED)
