@@ -20,23 +20,37 @@ import datetime as dt
 import hashlib
 
 from django.db import transaction
-from django.db.models import Exists, Min, OuterRef, Q
+from django.db.models import Exists, F, Min, OuterRef, Q, Window
+from django.db.models.functions import RowNumber
 
 from jobs.idempotency import idempotency_prune
 from jobs.models import AuditEvent, Job, JobState, JobVersion, Run, RunKind, RunState
 from jobs.schedules import ScheduleError
-from jobs.services import job_next_fire, job_pause, job_pause_if_failing, run_cancel_request
+from jobs.services import (
+    LIVE_JOB_STATES,
+    job_next_fire,
+    job_pause,
+    job_pause_if_failing,
+    run_cancel_request,
+)
 from jobs.transitions import ACTIVE_RUN_STATES, runs_requeue
 
 from .outbox import outbox_enqueue_runs
 
 # An occurrence later than this (when misfire.grace_seconds is null) is a misfire.
 MISFIRE_DEFAULT_GRACE = dt.timedelta(seconds=60)
+# The least grace applied: a pass takes milliseconds, so a grace of 0 would skip an
+# occurrence reached on time.
+MISFIRE_MIN_GRACE = dt.timedelta(seconds=1)
 # Occurrences (run or skipped) one job turns into rows in one pass; a longer backlog goes
 # on in the next passes, so an outage of any length costs bounded transactions.
 OCCURRENCES_PER_JOB_PER_PASS = 100
 # Run states that hold a buffer_one job's pending run back.
 BUSY_RUN_STATES = (RunState.QUEUED, RunState.RUNNING, RunState.RETRY_WAIT)
+# Active scheduled runs of one job the overlap policy loads per pass, newest first: skip
+# and buffer_one look at the newest (and whether one is pending), cancel_previous cancels
+# them, and an older excess (only after a policy change) is cancelled by the next passes.
+OVERLAP_RUNS_PER_JOB = 100
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,6 +134,7 @@ def _misfire_plan(
     misfire = job.spec.get("misfire") or {}
     grace_seconds = misfire.get("grace_seconds")
     grace = MISFIRE_DEFAULT_GRACE if grace_seconds is None else dt.timedelta(seconds=grace_seconds)
+    grace = max(grace, MISFIRE_MIN_GRACE)
 
     def late(at: dt.datetime) -> bool:
         return now - max(at, job.created_at) > grace
@@ -152,19 +167,11 @@ def _materialize_due_jobs(*, now: dt.datetime, limit: int) -> _Materialized:
     result = _Materialized(jobs=len(jobs))
     if not jobs:
         return result
-    ids = [job.id for job in jobs]
     version_of = Q()
     for job in jobs:
         version_of |= Q(job_id=job.id, version=job.version)
     versions = {v.job_id: v for v in JobVersion.objects.filter(version_of)}
-    # Overlap is a matter between a job's scheduled runs: manual and backfill runs are
-    # neither held back by it nor hold scheduled ones back (a backfill of a thousand runs
-    # must not make cancel_previous cancel them all).
-    active: dict = {}
-    for run in Run.objects.filter(
-        job_id__in=ids, kind=RunKind.SCHEDULED, state__in=ACTIVE_RUN_STATES
-    ).order_by("created_at"):
-        active.setdefault(run.job_id, []).append(run)
+    active = _overlap_runs(jobs)
     runs, audit, advanced = [], [], []
     plans = {}
     for job in jobs:
@@ -221,6 +228,31 @@ def _materialize_due_jobs(*, now: dt.datetime, limit: int) -> _Materialized:
     return result
 
 
+def _overlap_runs(jobs: list[Job]) -> dict:
+    """Job id -> its active scheduled runs the overlap policy needs, oldest first: none for
+    `allow` (not loaded at all), at most OVERLAP_RUNS_PER_JOB, the newest, for the others,
+    so a backlog of active runs costs a pass nothing more.
+
+    Overlap is a matter between a job's scheduled runs: manual and backfill runs are
+    neither held back by it nor hold scheduled ones back (a backfill of a thousand runs
+    must not make cancel_previous cancel them all)."""
+    ids = [job.id for job in jobs if job.spec.get("overlap", "allow") != "allow"]
+    if not ids:
+        return {}
+    newest = Window(
+        RowNumber(), partition_by=[F("job_id")], order_by=[F("created_at").desc(), F("id").desc()]
+    )
+    active: dict = {}
+    for run in (
+        Run.objects.filter(job_id__in=ids, kind=RunKind.SCHEDULED, state__in=ACTIVE_RUN_STATES)
+        .annotate(newest=newest)
+        .filter(newest__lte=OVERLAP_RUNS_PER_JOB)
+        .order_by("created_at", "id")
+    ):
+        active.setdefault(run.job_id, []).append(run)
+    return active
+
+
 def _new_run(job: Job, version: JobVersion, at: dt.datetime, now: dt.datetime) -> Run:
     key = occurrence_idempotency_key(job.id, at)
     due_at = at + run_jitter(key, job.spec.get("jitter_seconds") or 0)
@@ -272,14 +304,16 @@ def _apply_overlap(job: Job, run: Run, active: list[Run], now: dt.datetime) -> s
 
 def _release_pending_runs(*, now: dt.datetime, limit: int) -> int:
     """pending -> queued for runs that are due (their jitter has passed) and, for a
-    buffer_one job, whose job has no other run queued, running or waiting for a retry."""
+    buffer_one job, whose job has no other run queued, running or waiting for a retry.
+    A paused job's pending runs go on too: they were created before the pause, which only
+    stops new occurrences."""
     busy = Run.objects.filter(
         job_id=OuterRef("job_id"), kind=RunKind.SCHEDULED, state__in=BUSY_RUN_STATES
     )
     runs = list(
         Run.objects.select_for_update(skip_locked=True, of=("self",))
         .select_related("job_version")
-        .filter(state=RunState.PENDING, due_at__lte=now, job__state=JobState.ACTIVE)
+        .filter(state=RunState.PENDING, due_at__lte=now, job__state__in=LIVE_JOB_STATES)
         .exclude(Q(job__spec__overlap="buffer_one") & Exists(busy))
         .order_by("due_at")[:limit]
     )

@@ -29,6 +29,7 @@ from .idempotency import (
 from .models import AuditEvent, JobState, RunKind, RunState
 from .selectors import job_get, job_history, job_list, run_get, run_list
 from .services import (
+    BackfillTooLarge,
     backfill_occurrences,
     job_backfill,
     job_cancel,
@@ -135,6 +136,9 @@ class RunOutput(serializers.Serializer):
     fencing_token = serializers.IntegerField()
     next_attempt_at = serializers.DateTimeField(allow_null=True)
     failure_reason = serializers.CharField()
+    skip_reason = serializers.CharField(
+        read_only=True, help_text="Why a skipped run did not run (misfire or overlap policy)."
+    )
     result = serializers.JSONField(allow_null=True)
     duplicate_deliveries = serializers.IntegerField()
     timestamps = serializers.SerializerMethodField()
@@ -188,6 +192,12 @@ class RunFilters(serializers.Serializer):
         required=False,
         help_text="Default -created_at (newest first).",
     )
+
+
+class JobRunFilters(RunFilters):
+    """The run filters of one job's run list, whose job is in the path."""
+
+    job = None
 
 
 def _filters(serializer_class, request) -> dict:
@@ -315,9 +325,10 @@ class JobDetailApi(APIView):
         expected = _version_header(request.headers.get("If-Match"))
         if expected is not None and expected != job.version:
             return _stale(job)
-        spec = job_patched_spec(spec=job.spec, patch=request.data)
+        # State first: no correction of the body would make a change of this job legal.
         if job.state not in (JobState.ACTIVE, JobState.PAUSED):
             return _conflict(f"a {job.state} job cannot be changed", state=job.state)
+        spec = job_patched_spec(spec=job.spec, patch=request.data)
         if not job_update(
             job=job, spec=spec, expected_version=job.version, actor=request.user, now=db_now()
         ):
@@ -349,10 +360,10 @@ def _stale(job) -> Response:
 class JobRunListApi(APIView):
     pagination_class = NewestFirst
 
-    @extend_schema(parameters=[RunFilters], responses=RunOutput(many=True))
+    @extend_schema(parameters=[JobRunFilters], responses=RunOutput(many=True))
     def get(self, request, job_id):
         _visible_job(request, job_id)
-        filters = {**_filters(RunFilters, request), "job": job_id}
+        filters = {**_filters(JobRunFilters, request), "job": job_id}
         return _page(
             request, self, run_list(user=request.user, filters=filters), RunOutput, filters
         )
@@ -416,7 +427,15 @@ class JobResumeApi(APIView):
     @extend_schema(request=None, responses={200: JobOutput, 409: Problem})
     def post(self, request, job_id):
         job = _visible_job(request, job_id)
-        if not job_resume(job=job, actor=request.user, now=db_now()):
+        try:
+            resumed = job_resume(job=job, actor=request.user, now=db_now())
+        except schedules.ScheduleError as exc:
+            return _conflict(
+                f"the job's schedule cannot be evaluated ({exc}); PATCH its schedule first, "
+                "then resume",
+                state=job.state,
+            )
+        if not resumed:
             job.refresh_from_db()
             return _conflict(
                 f"only a paused job can be resumed, not a {job.state} one", state=job.state
@@ -475,9 +494,13 @@ class JobBackfillApi(APIView):
             window.is_valid(raise_exception=True)
             try:
                 instants = backfill_occurrences(job=job, **window.validated_data)
-            except ValueError as exc:
+            except BackfillTooLarge as exc:
                 raise serializers.ValidationError(
                     {"end": [f"{exc}; backfill a shorter range."]}
+                ) from exc
+            except schedules.ScheduleError as exc:
+                raise serializers.ValidationError(
+                    {"start": [f"The job's schedule cannot be evaluated from this start: {exc}."]}
                 ) from exc
             result = job_backfill(job=job, instants=instants, actor=request.user, now=now)
             if result is None:
@@ -517,8 +540,12 @@ class EventOutput(serializers.Serializer):
 
 
 class HistoryOutput(serializers.Serializer):
-    versions = VersionOutput(many=True)
-    events = EventOutput(many=True)
+    versions = VersionOutput(many=True, help_text="The newest 100, newest first.")
+    more_versions = serializers.BooleanField(help_text="Older versions exist.")
+    events = EventOutput(
+        many=True, help_text="The newest 1,000 events of the job and its runs, newest first."
+    )
+    more_events = serializers.BooleanField(help_text="Older events exist.")
 
 
 class JobHistoryApi(APIView):

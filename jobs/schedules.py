@@ -234,3 +234,29 @@ def next_fire(
     for occurrence in occurrences(schedule, after=after, dst=dst, anchor=anchor):
         return occurrence.at
     return None
+
+
+# Occurrences `shortest_gap` looks at: a cron expression repeats its minutes every matching
+# hour and its hours every matching day, so a short gap shows among the first few (a gap
+# shortened once a year by a DST transition may not: a late run then, not starvation).
+GAP_SAMPLE = 50
+
+
+def shortest_gap(
+    schedule: dict, *, after: dt.datetime, within: int, dst: dict | None = None
+) -> dt.timedelta | None:
+    """A gap of at most `within` seconds between two consecutive occurrences after
+    `after` (an interval's period; for cron, among the next GAP_SAMPLE occurrences), or
+    None when there is none. Raises ScheduleError."""
+    limit = dt.timedelta(seconds=within)
+    if schedule["kind"] == "interval":
+        every = dt.timedelta(seconds=schedule["every_seconds"])
+        return every if every <= limit else None
+    previous = None
+    for count, occurrence in enumerate(occurrences(schedule, after=after, dst=dst, anchor=after)):
+        if previous is not None and occurrence.at - previous <= limit:
+            return occurrence.at - previous
+        if count == GAP_SAMPLE:
+            break
+        previous = occurrence.at
+    return None

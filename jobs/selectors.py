@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 from django.contrib.auth.models import AbstractBaseUser
 from django.db.models import Prefetch, QuerySet
 from django.db.models.fields.json import KeyTextTransform
@@ -10,7 +12,11 @@ from .models import Attempt, AuditEvent, Job, JobVersion, Run
 from .services import spec_diff
 
 # A job's history lists at most this many versions and this many events, newest first.
-HISTORY_LIMIT = 1000
+HISTORY_VERSIONS_LIMIT = 100
+HISTORY_EVENTS_LIMIT = 1000
+# A value in a version's spec or diff whose JSON is longer than this is shown truncated
+# (args and kwargs may be 64 KiB each), so that the history's size stays bounded.
+HISTORY_VALUE_MAX_CHARS = 2000
 
 
 def _sees_everything(user: AbstractBaseUser) -> bool:
@@ -66,24 +72,53 @@ def run_get(*, user: AbstractBaseUser, run_id) -> Run | None:
     return run_list(user=user).filter(id=run_id).first()
 
 
+def _bounded(value):
+    text = json.dumps(value, default=str)
+    if len(text) <= HISTORY_VALUE_MAX_CHARS:
+        return value
+    return {"truncated": True, "chars": len(text), "preview": text[:200]}
+
+
+def _bounded_spec(spec: dict) -> dict:
+    return {key: _bounded(value) for key, value in spec.items()}
+
+
 def job_history(*, job: Job) -> dict:
-    """Every version of a job with its field-level diff to the one before, and every
-    audit event of the job and its runs with its actor; newest first, bounded."""
+    """The job's newest versions with their field-level diff to the one before, and the
+    newest audit events of the job and of its runs (run-only events such as a lost attempt
+    included), each with its actor; newest first, bounded in count and in size (a large
+    value is truncated). `more_versions`/`more_events` say whether older ones exist."""
     versions = list(
         JobVersion.objects.filter(job=job)
         .select_related("created_by")
-        .order_by("-version")[: HISTORY_LIMIT + 1]
+        .order_by("-version")[: HISTORY_VERSIONS_LIMIT + 1]
     )
     entries = []
     for newer, older in zip(versions, [*versions[1:], None], strict=True):
+        changes = spec_diff(older.spec, newer.spec) if older else []
         entries.append(
             {
                 "version": newer.version,
                 "created_at": newer.created_at,
                 "created_by": newer.created_by.get_username() if newer.created_by else None,
-                "spec": newer.spec,
-                "changes": spec_diff(older.spec, newer.spec) if older else [],
+                "spec": _bounded_spec(newer.spec),
+                "changes": [
+                    {**change, "from": _bounded(change["from"]), "to": _bounded(change["to"])}
+                    for change in changes
+                ],
             }
         )
-    events = list(AuditEvent.objects.filter(job=job).order_by("-created_at", "-id")[:HISTORY_LIMIT])
-    return {"versions": entries[:HISTORY_LIMIT], "events": events}
+    # Two indexed reads rather than one OR across a join; merged, newest first.
+    newest = ("-created_at", "-id")
+    of_job = AuditEvent.objects.filter(job=job).order_by(*newest)[: HISTORY_EVENTS_LIMIT + 1]
+    of_runs = AuditEvent.objects.filter(run__job=job).order_by(*newest)
+    by_id = {event.id: event for event in [*of_job, *of_runs[: HISTORY_EVENTS_LIMIT + 1]]}
+    events = sorted(by_id.values(), key=lambda e: (e.created_at, e.id), reverse=True)
+    for event in events:
+        event.data = _bounded_spec(event.data) if isinstance(event.data, dict) else event.data
+    return {
+        "versions": entries[:HISTORY_VERSIONS_LIMIT],
+        "more_versions": len(entries) > HISTORY_VERSIONS_LIMIT,
+        "events": events[:HISTORY_EVENTS_LIMIT],
+        "more_events": len(events) > HISTORY_EVENTS_LIMIT,
+    }

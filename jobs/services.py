@@ -8,7 +8,7 @@ import uuid
 
 from django.contrib.auth.models import AbstractBaseUser
 from django.db import transaction
-from django.db.models import F, Q
+from django.db.models import F, Max, Q
 
 from dispatch.counters import counter_increment
 from dispatch.models import OutboxMessage, OutboxState
@@ -245,13 +245,18 @@ def _audit(
 
 
 def job_resume_point(
-    *, spec: dict, created_at: dt.datetime, now: dt.datetime
+    *, spec: dict, created_at: dt.datetime, now: dt.datetime, since: dt.datetime | None = None
 ) -> dt.datetime | None:
-    """The next occurrence of an edited schedule: at or after now, on the job's own grid
-    (an interval keeps counting from start_at or the job's creation)."""
+    """The next occurrence of an edited schedule, on the job's own grid (an interval keeps
+    counting from start_at or the job's creation): at or after `since` when given (the
+    job's old next_run_at, already due: the occurrences missed since then meet the misfire
+    policy rather than vanish), else at or after now."""
     if spec["schedule"]["kind"] == "once":
         return job_first_fire(spec=spec, now=now)
-    return job_next_fire(spec=spec, created_at=created_at, after=now - dt.timedelta(microseconds=1))
+    after = min(since, now) if since is not None else now
+    return job_next_fire(
+        spec=spec, created_at=created_at, after=after - dt.timedelta(microseconds=1)
+    )
 
 
 def job_update(
@@ -261,9 +266,15 @@ def job_update(
 
     One conditional UPDATE on (id, version, live state): of two concurrent edits of one
     version, one wins and the other changes nothing and gets False. Runs already created
-    keep the version that created them; a schedule change moves next_run_at.
+    keep the version that created them; a schedule change moves next_run_at. A spec equal
+    to the stored one changes nothing (no version, no audit): True while the job is live at
+    that version.
     """
     changed = spec_diff(job.spec, spec)
+    if not changed:
+        return Job.objects.filter(
+            id=job.id, version=expected_version, state__in=LIVE_JOB_STATES, deleted_at=None
+        ).exists()
     fields = {
         "spec": spec,
         "name": spec["name"],
@@ -275,7 +286,9 @@ def job_update(
         "updated_at": now,
     }
     if any(job.spec.get(field) != spec.get(field) for field in SCHEDULE_FIELDS):
-        fields["next_run_at"] = job_resume_point(spec=spec, created_at=job.created_at, now=now)
+        fields["next_run_at"] = job_resume_point(
+            spec=spec, created_at=job.created_at, now=now, since=job.next_run_at
+        )
     with transaction.atomic():
         won = Job.objects.filter(
             id=job.id, version=expected_version, state__in=LIVE_JOB_STATES, deleted_at=None
@@ -308,12 +321,12 @@ def spec_diff(before: dict, after: dict) -> list[dict]:
     return changes
 
 
-def _job_move(*, job: Job, to: str, from_states, **fields) -> bool:
+def _job_move(*, job: Job, to: str, from_states, only_if: Q | None = None, **fields) -> bool:
     """One conditional UPDATE of a job's state; whether it won."""
     return bool(
-        Job.objects.filter(id=job.id, state__in=list(from_states), deleted_at=None).update(
-            state=to, **fields
-        )
+        Job.objects.filter(
+            only_if or Q(), id=job.id, state__in=list(from_states), deleted_at=None
+        ).update(state=to, **fields)
     )
 
 
@@ -333,15 +346,38 @@ def job_pause(
 
 def job_resume(*, job: Job, actor: AbstractBaseUser, now: dt.datetime) -> bool:
     """paused -> active. next_run_at was left where the pause found it, so the scheduler's
-    next pass applies the job's misfire policy to every occurrence missed meanwhile."""
+    next pass applies the job's misfire policy to every occurrence missed meanwhile.
+
+    A recurring job paused by a schedule error has no next_run_at: its schedule is
+    evaluated again after its last scheduled run, and ScheduleError (nothing changed) when
+    it still cannot be, rather than let the job complete for good. False when the job is
+    not paused.
+    """
+    fields = {}
+    if job.next_run_at is None and job.spec["schedule"]["kind"] != "once":
+        last = Run.objects.filter(job=job, kind=RunKind.SCHEDULED).aggregate(
+            at=Max("scheduled_for")
+        )["at"]
+        fields["next_run_at"] = job_next_fire(
+            spec=job.spec,
+            created_at=job.created_at,
+            after=last or now - dt.timedelta(microseconds=1),
+        )
+    # With a recomputed next_run_at, only over the spec it was computed from.
+    same_spec = Q(version=job.version, next_run_at=None) if fields else None
     with transaction.atomic():
         if not _job_move(
             job=job,
             to=JobState.ACTIVE,
             from_states=[JobState.PAUSED],
+            only_if=same_spec,
             updated_at=now,
             resumed_at=now,
+            **fields,
         ):
+            fresh = Job.objects.filter(id=job.id, state=JobState.PAUSED, deleted_at=None).first()
+            if fields and fresh is not None:  # edited meanwhile: again, on the new spec
+                return job_resume(job=fresh, actor=actor, now=now)
             return False
         _audit(job=job, actor=actor, action="job.resumed", data={})
     return True
@@ -404,23 +440,34 @@ def job_trigger(*, job: Job, actor: AbstractBaseUser, now: dt.datetime) -> Run |
     return run
 
 
+class BackfillTooLarge(ValueError):
+    """A backfill range holding more occurrences than one request may create."""
+
+
 def backfill_occurrences(
     *, job: Job, start: dt.datetime, end: dt.datetime, limit: int = BACKFILL_MAX_RUNS
 ) -> list[dt.datetime]:
     """The job's occurrences in [start, end), by its current schedule and DST policy
-    (start_at/end_at do not bound an explicit backfill). ValueError past `limit`."""
+    (start_at/end_at do not bound an explicit backfill; an interval's grid extends before
+    its anchor). BackfillTooLarge past `limit`; ScheduleError when the schedule cannot be
+    evaluated in the range (e.g. at the edge of the calendar)."""
     anchor = _anchor(job.spec, job.created_at)
+    try:
+        after = start - dt.timedelta(microseconds=1)
+        if job.spec["schedule"]["kind"] == "interval" and start < anchor:
+            # The same grid, anchor + k * every, counted from a point at or before start.
+            every = dt.timedelta(seconds=job.spec["schedule"]["every_seconds"])
+            anchor -= -((start - anchor) // every) * every
+    except OverflowError as exc:
+        raise schedules.ScheduleError("the start is out of the supported range") from exc
     found = []
     for occurrence in schedules.occurrences(
-        job.spec["schedule"],
-        after=start - dt.timedelta(microseconds=1),
-        dst=job.spec.get("dst"),
-        anchor=anchor,
+        job.spec["schedule"], after=after, dst=job.spec.get("dst"), anchor=anchor
     ):
         if occurrence.at >= end:
             break
         if len(found) == limit:
-            raise ValueError(f"the range holds more than {limit} occurrences")
+            raise BackfillTooLarge(f"the range holds more than {limit} occurrences")
         found.append(occurrence.at)
     return found
 

@@ -267,6 +267,15 @@ class JobSpecSerializer(StrictSerializer):
                 )
         if attrs["start_at"] and attrs["end_at"] and attrs["end_at"] <= attrs["start_at"]:
             raise serializers.ValidationError({"end_at": ["Must be later than start_at."]})
+        schedule = attrs["schedule"]
+        if (
+            schedule["kind"] == "once"
+            and attrs["start_at"]
+            and schedules.schedule_run_at(schedule) < dt.datetime.fromisoformat(attrs["start_at"])
+        ):
+            raise serializers.ValidationError(
+                {"start_at": ["Later than the schedule's run_at: the job would never fire."]}
+            )
         # Evaluate the schedule once now, so that one that cannot fire is refused here
         # rather than found by the scheduler.
         try:
@@ -277,7 +286,36 @@ class JobSpecSerializer(StrictSerializer):
             raise serializers.ValidationError(
                 {"end_at": ["The schedule has no occurrence before end_at."]}
             )
+        self._check_jitter(attrs, first)
         return attrs
+
+    @staticmethod
+    def _check_jitter(attrs: dict, first: dt.datetime) -> None:
+        """Refuse a jitter as long as the gap between two occurrences: each run would still
+        wait for its jitter at the next occurrence, so skip, buffer_one and cancel_previous
+        would hold back or cancel every run, and allow would pile them up."""
+        jitter = attrs["jitter_seconds"]
+        if not jitter or attrs["schedule"]["kind"] == "once":
+            return
+        try:
+            gap = schedules.shortest_gap(
+                attrs["schedule"],
+                after=first - dt.timedelta(microseconds=1),
+                dst=attrs["dst"],
+                within=jitter,
+            )
+        except schedules.ScheduleError:  # ends after its first occurrence: nothing to overlap
+            return
+        if gap is not None:
+            raise serializers.ValidationError(
+                {
+                    "jitter_seconds": [
+                        f"Must be shorter than the schedule's period: occurrences "
+                        f"{int(gap.total_seconds())} s apart would each still wait for "
+                        "their jitter when the next one is due."
+                    ]
+                }
+            )
 
 
 def job_patched_spec(*, spec: dict, patch) -> dict:
