@@ -23,7 +23,7 @@ from jobs.retry import CAUSE_ERROR, CAUSE_NON_RETRYABLE, CAUSE_TIMEOUT
 from jobs.services import attempt_record_failure, run_record_duplicate_delivery
 from jobs.transitions import attempt_renew_lease, attempt_succeed, run_claim
 from logs_app.capture import LogCapture
-from logs_app.store import logs_seal
+from logs_app.store import logs_discard, logs_prepare, logs_seal, redact
 
 from .clock import db_now
 from .counters import counter_increment
@@ -54,7 +54,13 @@ class LeaseKeeper:
         # While renewals fail (the database is away), retry every half second, so that the
         # lease is renewed as soon as it returns, before the reaper's next look.
         self.failing = False
+        # Set while the attempt's own outcome is written: a refusal then is that outcome
+        # landing, not staleness.
+        self.finishing = False
         self._stop = threading.Event()
+        self._poke = threading.Event()  # renew now: a heartbeat asked, or stop
+        self._waiters: list[threading.Event] = []
+        self._waiters_lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="lease-keeper", daemon=True)
 
     def start(self) -> LeaseKeeper:
@@ -63,7 +69,27 @@ class LeaseKeeper:
 
     def stop(self) -> None:
         self._stop.set()
+        self._poke.set()
         self._thread.join(timeout=10)
+
+    def renew_now(self) -> bool:
+        """A renewal made by the keeper's thread, on its own connection, waited for: a
+        handler's heartbeat never writes inside the handler's own transaction (an open
+        `ctx.effect` block would hold it back, and a failure would break that block)."""
+        if not self._thread.is_alive():
+            return not self.lost.is_set()
+        done = threading.Event()
+        with self._waiters_lock:
+            self._waiters.append(done)
+        self._poke.set()
+        done.wait(timeout=max(self.interval, 5.0))
+        return not self.lost.is_set()
+
+    def _release_waiters(self) -> None:
+        with self._waiters_lock:
+            waiters, self._waiters = self._waiters, []
+        for done in waiters:
+            done.set()
 
     def renew(self) -> bool:
         """One renewal; False once the attempt lost its lease or token."""
@@ -79,7 +105,9 @@ class LeaseKeeper:
         self.failing = False
         if not renewed and not self.lost.is_set():
             self.lost.set()
-            if self._was_cancelled():
+            if self.finishing:
+                pass
+            elif self._was_cancelled():
                 log.info("run %s was cancelled; the handler is asked to stop", self.attempt.run_id)
             else:
                 counter_increment("scheduler_stale_completions_total", labels='kind="heartbeat"')
@@ -97,11 +125,15 @@ class LeaseKeeper:
 
     def _run(self) -> None:
         try:
-            while not self._stop.wait(0.5 if self.failing else self.interval):
-                if self.lost.is_set():
+            while True:
+                self._poke.wait(0.5 if self.failing else self.interval)
+                self._poke.clear()
+                if self._stop.is_set() or self.lost.is_set():
                     break
                 self.renew()
+                self._release_waiters()
         finally:
+            self._release_waiters()
             connection.close()
 
 
@@ -122,7 +154,7 @@ class RunContext:
 
     def heartbeat(self) -> bool:
         """Renew the lease now; False means this attempt is no longer the run's owner."""
-        return self._keeper.renew()
+        return self._keeper.renew_now()
 
     @property
     def cancel_requested(self) -> bool:
@@ -244,12 +276,23 @@ def _cause(exc: BaseException) -> str:
     return CAUSE_ERROR
 
 
+def _finish_capture(capture: LogCapture, attempt: Attempt) -> tuple[list, int]:
+    """The capture's last chunks, their content placed, and the count of lines dropped.
+    Celery's soft time limit landing here does not lose the outcome: it is finished anyway."""
+    while True:
+        try:
+            chunks, dropped = capture.finish()
+            return logs_prepare(attempt=attempt, chunks=chunks), dropped
+        except SoftTimeLimitExceeded:
+            log.warning("the soft time limit interrupted finishing the logs; finishing anyway")
+
+
 def _failure_writer(
     *, run: Run, attempt: Attempt, exc: BaseException, worker: str, logs: tuple[list, int]
 ):
-    error = "".join(traceback.format_exception(exc))[-8000:].replace("\x00", "")
+    error = redact("".join(traceback.format_exception(exc))[-8000:].replace("\x00", ""))
     cause = _cause(exc)
-    chunks, dropped = logs
+    placed, dropped = logs
 
     def write() -> str | None:
         with transaction.atomic():
@@ -264,7 +307,7 @@ def _failure_writer(
                 by=f"worker:{worker}",
             )
             if outcome is not None:
-                logs_seal(attempt=attempt, chunks=chunks, dropped_lines=dropped, now=now)
+                logs_seal(attempt=attempt, placed=placed, dropped_lines=dropped, now=now)
         if (
             outcome is None
             and Attempt.objects.filter(
@@ -273,6 +316,8 @@ def _failure_writer(
         ):
             # A retry after an ambiguous commit: the first try did record this failure.
             return Run.objects.filter(id=run.id).values_list("state", flat=True).first()
+        if outcome is None:
+            logs_discard(placed)
         return outcome
 
     return write
@@ -312,35 +357,46 @@ def run_execute_delivery(*, run_id: str, handler: Callable, worker: str, message
         _attempt=attempt,
         _keeper=keeper,
     )
-    capture = LogCapture(attempt).start()
+    capture = LogCapture(attempt)
     try:
+        capture.start()
         result = handler(ctx, *spec["args"], **spec["kwargs"])
     except BaseException as exc:  # noqa: BLE001 - every handler error is the attempt's outcome
-        keeper.stop()
-        logs = capture.finish()
+        # The lease stays renewed until the outcome is written: finishing the logs may take
+        # a while, and the reaper must not take the run meanwhile.
+        logs = _finish_capture(capture, attempt)
+        keeper.finishing = True
         write = _failure_writer(run=run, attempt=attempt, exc=exc, worker=worker, logs=logs)
         if not isinstance(exc, Exception):
             # KeyboardInterrupt, SystemExit, CancelledError: recorded, then left to end the
             # task as they mean to; the lease keeper is stopped either way.
-            _with_database_retries(write)
+            try:
+                _with_database_retries(write)
+            finally:
+                keeper.stop()
             raise
     else:
-        keeper.stop()
-        chunks, dropped = capture.finish()
+        placed, dropped = _finish_capture(capture, attempt)
+        keeper.finishing = True
 
         def write() -> str | None:
             with transaction.atomic():
                 now = db_now()
                 won = attempt_succeed(attempt=attempt, now=now, result=_storable_result(result))
                 if won:  # the logs are complete whenever the run shows its success
-                    logs_seal(attempt=attempt, chunks=chunks, dropped_lines=dropped, now=now)
+                    logs_seal(attempt=attempt, placed=placed, dropped_lines=dropped, now=now)
             # Refused, yet succeeded: a retry after an ambiguous commit of this very write.
             won = won or (
                 Attempt.objects.filter(id=attempt.id, state=AttemptState.SUCCEEDED).exists()
             )
+            if not won:
+                logs_discard(placed)
             return RunState.SUCCEEDED if won else None
 
-    outcome = _with_database_retries(write)
+    try:
+        outcome = _with_database_retries(write)
+    finally:
+        keeper.stop()
     if outcome is None:
         counter_increment("scheduler_stale_completions_total", labels='kind="completion"')
         log.warning("stale completion of run %s attempt %s refused", run_id, attempt.number)

@@ -1,24 +1,27 @@
 """Capturing a handler's output in the worker, and shipping it in chunks while it runs.
 
 What is captured, for the thread that runs the handler: records of `ctx.logger` (stream
-`logger`), every other Python `logging` record emitted in that thread (stream `logging`),
-and `sys.stdout` / `sys.stderr` writes (streams `stdout`, `stderr`). Each line gets its
-number, timestamp, stream and level; secret-looking values are redacted before anything is
-buffered. Output written straight to file descriptors 1 and 2 (C extensions, subprocesses)
-and by threads the handler starts is not captured.
+`logger`), every other Python `logging` record emitted in that thread (stream `logging`,
+Celery's task loggers included), and `sys.stdout` / `sys.stderr` writes (streams `stdout`,
+`stderr`; a `\\r` ends a line too, so progress bars do not pile up). Each line gets its
+number, timestamp, stream and level; it is cut at 16 K characters and secret-looking values
+are redacted before it is buffered. Output written straight to file descriptors 1 and 2 (C
+extensions, subprocesses), by threads the handler starts, or by processes it forks, is not
+captured.
 
 A shipper thread sends the buffer as a chunk every `flush_interval_seconds`, or sooner
-when it holds `flush_lines` lines or `flush_bytes` bytes. The handler only appends to a
-list under a lock: shipping never blocks it. When the log store cannot be reached, chunks
-wait in memory (bounded by `buffer_max_bytes`; beyond it lines are dropped and counted)
-and are sent again. What is left when the handler returns is stored with the attempt's
-outcome (`logs_app.store.logs_seal`).
+when it holds `flush_lines` lines or `flush_bytes` bytes. The handler only appends an
+encoded line to a list under a lock: shipping never blocks it. When the log store cannot be
+reached, chunks wait in memory (bounded by `buffer_max_bytes`; beyond it lines are dropped,
+and a marker line at the gap says how many) and are sent again. What is left when the
+handler returns is stored with the attempt's outcome (`logs_app.store.logs_seal`).
 """
 
 from __future__ import annotations
 
 import datetime as dt
 import logging
+import os
 import sys
 import threading
 from typing import TextIO
@@ -28,15 +31,21 @@ from django.db import connection
 
 from jobs.models import Attempt
 
-from .store import Chunk, chunk_ship, redact
+from .store import Chunk, chunk_ship, clean_line, encode_line
 
 log = logging.getLogger("logs_app.capture")
-TRUNCATED = (
-    "[log truncated: this attempt reached its limit of {limit} bytes; {dropped} more lines dropped]"
+LIMIT_MARKER = (
+    "[log truncated: this attempt reached its limit of {limit} bytes; "
+    "{dropped} more lines dropped]"
+)
+GAP_MARKER = (
+    "[{dropped} lines dropped here: the log store was unreachable "
+    "and the worker's buffer was full]"
 )
 
 _captures: dict[int, LogCapture] = {}  # thread ident -> the capture of the handler it runs
 _install_lock = threading.Lock()
+_inside = threading.local()  # set while a thread is inside the capture (no re-entry)
 
 
 class LogCapture:
@@ -45,19 +54,24 @@ class LogCapture:
         self.config = {**settings.SCHEDULER_LOGS, **(config or {})}
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
-        self._lines: list[dict] = []
+        self._lines: list[bytes] = []
+        self._first_line = 0  # number of the first line in `_lines`
         self._bytes = 0
         self._pending: list[Chunk] = []  # formed, not yet stored
         self._next_line = 0
         self._next_sequence = 0
         self._written = 0  # bytes accepted for this attempt
         self._held = 0  # bytes in memory: lines and chunks not yet stored
-        self.dropped = 0
+        self._partial: dict[str, list[str]] = {}  # stream -> pieces after its last line end
+        self._partial_size: dict[str, int] = {}
+        self.dropped_for_limit = 0
+        self._dropped_for_buffer = 0  # since the last gap marker
+        self.dropped_for_buffer_total = 0
         self.stale = False
         self._stopping = False
+        self._finished: tuple[list[Chunk], int] | None = None
         self._thread = threading.Thread(target=self._ship_loop, name="log-shipper", daemon=True)
         self._owner: int | None = None
-        self._partial: dict[str, str] = {}  # stream -> text written after its last newline
 
     # -- the handler's side ----------------------------------------------------------
     def start(self) -> LogCapture:
@@ -71,9 +85,11 @@ class LogCapture:
 
     def emit(self, stream: str, level: str, text: str) -> None:
         now = dt.datetime.now(dt.UTC).isoformat()
+        parts = text.splitlines() or [""]
+        cleaned = [clean_line(part) for part in parts]  # outside the lock: it may take a while
         with self._lock:
-            for part in text.splitlines() or [""]:
-                self._append(stream, level, redact(part), now)
+            for part in cleaned:
+                self._append(stream, level, part, now)
             if (
                 len(self._lines) >= self.config["flush_lines"]
                 or self._bytes >= self.config["flush_bytes"]
@@ -81,61 +97,89 @@ class LogCapture:
                 self._wake.notify()
 
     def write(self, stream: str, text: str) -> None:
-        """Stream output: whole lines are emitted, a partial one waits for its end."""
-        text = self._partial.pop(stream, "") + text
+        """Stream output: whole lines are emitted (a `\\r` or `\\n` ends one); a partial
+        line waits for its end, up to `flush_bytes`."""
+        text = text.replace("\r\n", "\n").replace("\r", "\n")
         *lines, rest = text.split("\n")
+        pieces = self._partial.setdefault(stream, [])
+        if lines:
+            lines[0] = "".join(pieces) + lines[0]
+            pieces.clear()
+            self._partial_size[stream] = 0
         if rest:
-            self._partial[stream] = rest
+            pieces.append(rest)
+            self._partial_size[stream] = self._partial_size.get(stream, 0) + len(rest)
+            if self._partial_size[stream] >= self.config["flush_bytes"]:
+                lines.append("".join(pieces))  # a line with no end in sight: cut it here
+                pieces.clear()
+                self._partial_size[stream] = 0
         if lines:
             self.emit(stream, "INFO" if stream == "stdout" else "ERROR", "\n".join(lines))
 
     def _append(self, stream: str, level: str, text: str, now: str) -> None:
-        size = len(text.encode()) + 64
-        limit = self.config["max_bytes_per_attempt"]
-        if self._written + size > limit or self._held + size > self.config["buffer_max_bytes"]:
-            self.dropped += 1
+        if self.stale:
+            return  # the attempt is no longer current: nothing it writes is kept
+        if self._dropped_for_buffer and self._held < self.config["buffer_max_bytes"] // 2:
+            # Room again: mark the gap where the dropped lines were.
+            gap = GAP_MARKER.format(dropped=self._dropped_for_buffer)
+            self._dropped_for_buffer = 0
+            self._accept("system", "WARNING", gap, now)
+        line_size = len(text) + 96  # the JSON around it, near enough
+        if self._written + line_size > self.config["max_bytes_per_attempt"]:
+            self.dropped_for_limit += 1
             return
-        self._written += size
-        self._bytes += size
-        self._held += size
-        self._lines.append(
-            {"n": self._next_line, "ts": now, "stream": stream, "level": level, "text": text}
-        )
+        if self._held + line_size > self.config["buffer_max_bytes"]:
+            self._dropped_for_buffer += 1
+            self.dropped_for_buffer_total += 1
+            return
+        self._accept(stream, level, text, now)
+
+    def _accept(self, stream: str, level: str, text: str, now: str) -> None:
+        line = encode_line(self._next_line, now, stream, level, text)
+        self._written += len(line)
+        self._bytes += len(line)
+        self._held += len(line)
+        if not self._lines:
+            self._first_line = self._next_line
+        self._lines.append(line)
         self._next_line += 1
 
     def finish(self) -> tuple[list[Chunk], int]:
-        """Stop shipping; (the chunks not yet stored, lines dropped) for `logs_seal`."""
+        """Stop shipping; (the chunks not yet stored, lines dropped) for `logs_seal`.
+        Safe to call again (a soft time limit may interrupt the first call)."""
+        if self._finished is not None:
+            return self._finished
         if self._owner is not None:
             _captures.pop(self._owner, None)
-        for stream in list(self._partial):
-            self.write(stream, "\n")
+        for stream, pieces in list(self._partial.items()):
+            if pieces:
+                self.emit(stream, "INFO" if stream == "stdout" else "ERROR", "".join(pieces))
+        self._partial.clear()
         with self._lock:
             self._stopping = True
             self._wake.notify()
         if self._thread.is_alive():
             self._thread.join(timeout=30)
         with self._lock:
-            self._form_chunk()
-            if self.dropped:
-                marker = TRUNCATED.format(
-                    limit=self.config["max_bytes_per_attempt"], dropped=self.dropped
+            now = dt.datetime.now(dt.UTC).isoformat()
+            if self._dropped_for_buffer:
+                self._accept("system", "WARNING",
+                             GAP_MARKER.format(dropped=self._dropped_for_buffer), now)  # fmt: skip
+            if self.dropped_for_limit:
+                marker = LIMIT_MARKER.format(
+                    limit=self.config["max_bytes_per_attempt"], dropped=self.dropped_for_limit
                 )
-                self._pending.append(
-                    Chunk(
-                        self._next_sequence,
-                        self._next_line,
-                        [{"n": self._next_line, "ts": dt.datetime.now(dt.UTC).isoformat(),
-                          "stream": "system", "level": "WARNING", "text": marker}],
-                    )
-                )  # fmt: skip
-                self._next_sequence += 1
-            return list(self._pending), self.dropped
+                self._accept("system", "WARNING", marker, now)
+            self._form_chunk()
+            dropped = self.dropped_for_limit + self.dropped_for_buffer_total
+            self._finished = (list(self._pending), dropped)
+            return self._finished
 
     # -- the shipper thread ------------------------------------------------------------
     def _form_chunk(self) -> None:
         if self._lines:
             self._pending.append(
-                Chunk(self._next_sequence, self._lines[0]["n"], self._lines, size=self._bytes)
+                Chunk(self._next_sequence, self._first_line, self._lines, size=self._bytes)
             )
             self._next_sequence += 1
             self._lines, self._bytes = [], 0
@@ -169,9 +213,10 @@ class LogCapture:
                 self._held -= chunk.size
             if not stored:
                 # The attempt is no longer current: it may add nothing to the run's logs.
-                self.stale = True
                 with self._lock:
+                    self.stale = True
                     self._pending.clear()
+                    self._lines, self._bytes, self._held = [], 0, 0
                 return
 
 
@@ -185,10 +230,20 @@ class _ThreadStream:
 
     def write(self, text: str) -> int:
         capture = _captures.get(threading.get_ident())
-        if capture is None:
+        if capture is None or getattr(_inside, "active", False):
             return self._original.write(text)
-        capture.write(self._name, text)
+        _inside.active = True
+        try:
+            capture.write(self._name, text)
+        except Exception:  # noqa: BLE001 - capturing must never fail the handler's print
+            pass
+        finally:
+            _inside.active = False
         return len(text)
+
+    def writelines(self, lines) -> None:
+        for line in lines:
+            self.write(line)
 
     def flush(self) -> None:
         self._original.flush()
@@ -200,18 +255,30 @@ class _ThreadStream:
 class _CaptureHandler(logging.Handler):
     def emit(self, record: logging.LogRecord) -> None:
         capture = _captures.get(record.thread)
-        if capture is None:
+        if capture is None or getattr(_inside, "active", False):
             return
-        stream = "logger" if record.name.startswith("jobs.task.") else "logging"
+        _inside.active = True
         try:
-            text = record.getMessage()
+            stream = "logger" if record.name.startswith("jobs.task.") else "logging"
+            try:
+                text = record.getMessage()
+            except Exception:  # noqa: BLE001 - a bad format string must not break the handler
+                text = str(record.msg)
             if record.exc_info:
                 text += "\n" + logging.Formatter().formatException(record.exc_info)
-        except Exception:  # noqa: BLE001 - a bad format string must not break the handler
-            text = str(record.msg)
-        capture.emit(
-            stream, record.levelname, text if stream == "logger" else f"{record.name}: {text}"
-        )
+            capture.emit(
+                stream, record.levelname, text if stream == "logger" else f"{record.name}: {text}"
+            )
+        except Exception:  # noqa: BLE001 - logging must never raise into the handler
+            pass
+        finally:
+            _inside.active = False
+
+
+def _forget_captures_in_child() -> None:
+    # A process the handler forks is not the handler: its output goes to the worker's log,
+    # and it must not wait on a lock held by a thread that does not exist in it.
+    _captures.clear()
 
 
 def _install() -> None:
@@ -221,8 +288,13 @@ def _install() -> None:
             sys.stdout = _ThreadStream(sys.stdout, "stdout")
         if not isinstance(sys.stderr, _ThreadStream):
             sys.stderr = _ThreadStream(sys.stderr, "stderr")
-        root = logging.getLogger()
-        if not any(isinstance(h, _CaptureHandler) for h in root.handlers):
-            root.addHandler(_CaptureHandler())
+        # Celery's task loggers do not propagate to the root: they get the handler too.
+        for name in ("", "celery.task"):
+            target = logging.getLogger(name)
+            if not any(isinstance(h, _CaptureHandler) for h in target.handlers):
+                target.addHandler(_CaptureHandler())
         # ctx.logger's records reach the root's handlers whatever the root's level.
         logging.getLogger("jobs.task").setLevel(logging.DEBUG)
+        if not getattr(_install, "forked_hook", False):
+            os.register_at_fork(after_in_child=_forget_captures_in_child)
+            _install.forked_hook = True

@@ -13,8 +13,12 @@ from django.db import models
 
 class LogChunk(models.Model):
     attempt = models.ForeignKey("jobs.Attempt", on_delete=models.CASCADE, related_name="log_chunks")
-    # Denormalized for retrieval and pruning without a join.
-    run = models.ForeignKey("jobs.Run", on_delete=models.CASCADE, related_name="log_chunks")
+    # Denormalized for retrieval and pruning without a join. No database constraint: its
+    # check would take a share lock on the run row, which a handler inside `ctx.effect`
+    # holds, and the shipper would wait on it while holding the attempt's row lock.
+    run = models.ForeignKey(
+        "jobs.Run", on_delete=models.CASCADE, related_name="log_chunks", db_constraint=False
+    )
     sequence = models.PositiveIntegerField()  # 0, 1, 2 ... per attempt
     first_line = models.PositiveIntegerField()  # number of the chunk's first line in the attempt
     line_count = models.PositiveIntegerField()

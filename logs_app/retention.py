@@ -31,15 +31,17 @@ def logs_prune(
     # A chunk is stored before its attempt finishes, so `created_at < cutoff` holds for every
     # expired chunk (give or take a worker's clock skew, which only delays it to a later
     # pass): it lets the age index narrow the scan before the join on the attempt.
-    chunks = (
+    chunks = list(
         LogChunk.objects.filter(created_at__lt=cutoff, **expired)
         .exclude(**running)
         .order_by("created_at")
-        .values_list("id", flat=True)[:batch_size]
+        .values_list("id", "attempt_id")[:batch_size]
     )
-    deleted = chunks_delete(LogChunk.objects.filter(id__in=list(chunks)))
-    # A manifest goes only once its attempt's chunks are gone, so that a log is never shown
-    # as complete while its chunks are half deleted.
+    # The manifest goes first, with the first chunk of its attempt: a log whose chunks are
+    # half deleted shows as incomplete, never as complete.
+    deleted = LogManifest.objects.filter(attempt_id__in={row[1] for row in chunks}).delete()[0]
+    deleted += chunks_delete(LogChunk.objects.filter(id__in=[row[0] for row in chunks]))
+    # Manifests of expired attempts that had no chunks (a handler that wrote nothing).
     manifests = (
         LogManifest.objects.filter(**expired)
         .exclude(**running)

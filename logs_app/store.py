@@ -26,22 +26,41 @@ from .models import LogChunk, LogManifest
 log = logging.getLogger("logs_app")
 
 STORAGE_ALIAS = "scheduler_logs"
-# Keys whose values are redacted before anything is stored (SPEC, "Security").
+# Keys whose values are redacted before anything is stored (SPEC, "Security"). The runs
+# around the keyword are bounded, so a long line cannot make the pattern backtrack for long.
+KEYWORD = re.compile(r"password|passwd|token|secret|api[_-]?key|authorization", re.IGNORECASE)
 SECRET = re.compile(
-    r"""(?P<key>["']?\b[\w-]*(?:password|passwd|token|secret|api[_-]?key|authorization)[\w-]*["']?)"""
-    r"""(?P<sep>\s*[:=]\s*)"""
-    r"""(?P<value>"[^"]*"|'[^']*'|(?:bearer|basic|token)\s+\S+|[^\s,;&'"()\[\]{}<>]+)""",
+    r"""(?P<key>["']?(?<![\w-])[\w-]{0,40}?(?:password|passwd|token|secret|api[_-]?key|authorization)[\w-]{0,40}["']?)"""
+    r"""(?P<sep>\s{0,8}[:=]\s{0,8})"""
+    r"""(?P<value>b?"(?:[^"\\]|\\.)*"?|b?'(?:[^'\\]|\\.)*'?|\[[^\]]*\]?"""
+    r"""|(?:bearer|basic|token)\s+\S+|[^\s,;&'"()\[\]{}<>]+)""",
     re.IGNORECASE,
 )
+MAX_LINE_CHARS = 16 * 1024  # a longer line is cut, with a marker
+
+
+def clean_line(text: str) -> str:
+    """What is stored of one line: valid UTF-8 (lone surrogates escaped), bounded in
+    length, and with secret-looking values redacted."""
+    if len(text) > MAX_LINE_CHARS:
+        text = f"{text[:MAX_LINE_CHARS]}... [line cut at {MAX_LINE_CHARS} characters]"
+    text = text.encode("utf-8", "backslashreplace").decode("utf-8")
+    return redact(text)
 
 
 def redact(text: str) -> str:
-    """`password=hunter2` -> `password=[REDACTED]`; also JSON keys and header forms."""
+    """`password=hunter2` -> `password=[REDACTED]`; also JSON keys, header forms, bytes and
+    list values."""
+    if not KEYWORD.search(text):
+        return text
 
     def hide(match: re.Match) -> str:
         value = match.group("value")
-        quote = value[0] if value[:1] in "\"'" else ""
-        return f"{match.group('key')}{match.group('sep')}{quote}[REDACTED]{quote}"
+        opener = value[:2] if value[:2] in ('b"', "b'") else value[:1]
+        if opener not in ('"', "'", 'b"', "b'", "["):
+            opener = ""
+        closer = {"[": "]"}.get(opener, opener[-1:]) if opener else ""
+        return f"{match.group('key')}{match.group('sep')}{opener}[REDACTED]{closer}"
 
     return SECRET.sub(hide, text)
 
@@ -50,75 +69,127 @@ def redact(text: str) -> str:
 class Chunk:
     sequence: int
     first_line: int
-    lines: list[dict]  # {"n", "ts", "stream", "level", "text"}
+    lines: list[bytes]  # each an encoded JSON object and its newline
     size: int = 0  # bytes held in memory, for the capture's bound
 
     def encode(self) -> bytes:
-        return "".join(json.dumps(line, ensure_ascii=False) + "\n" for line in self.lines).encode()
+        return b"".join(self.lines)
+
+
+def encode_line(n: int, ts: str, stream: str, level: str, text: str) -> bytes:
+    return (
+        json.dumps(
+            {"n": n, "ts": ts, "stream": stream, "level": level, "text": text}, ensure_ascii=False
+        )
+        + "\n"
+    ).encode()
+
+
+@dataclasses.dataclass
+class PlacedChunk:
+    """A chunk whose content is already where it will live: ready for its row."""
+
+    chunk: Chunk
+    byte_count: int
+    sha256: str
+    content: str
+    storage_name: str
 
 
 def _storage_name(attempt: Attempt, sequence: int) -> str:
     return f"runs/{attempt.run_id}/{attempt.number}-{attempt.fencing_token}/{sequence:06d}.ndjson"
 
 
-def _place(attempt: Attempt, chunk: Chunk, data: bytes) -> tuple[str, str]:
-    """(inline content, storage name): small chunks, and any chunk the storage cannot take
-    right now, stay inline in the row, so that storing never fails for want of storage."""
+def chunk_place(*, attempt: Attempt, chunk: Chunk) -> PlacedChunk:
+    """Put the content where it will live, before (and outside) any transaction: small
+    chunks, and any chunk the storage cannot take right now, stay inline in the row, so
+    that storing never fails for want of storage."""
+    data = chunk.encode()
+    placed = PlacedChunk(chunk, len(data), hashlib.sha256(data).hexdigest(), data.decode(), "")
     if len(data) <= settings.SCHEDULER_LOGS["inline_max_bytes"]:
-        return data.decode(), ""
-    storage = storages[STORAGE_ALIAS]
+        return placed
     name = _storage_name(attempt, chunk.sequence)
     try:
+        storage = storages[STORAGE_ALIAS]
         if storage.exists(name):  # a re-send: same sequence, same content
             storage.delete(name)
-        return "", storage.save(name, ContentFile(data))
+        saved = storage.save(name, ContentFile(data))
     except Exception as exc:  # noqa: BLE001 - any backend's failure (boto3's are not OSError)
         log.warning("log storage unavailable, keeping chunk inline: %r", exc)
-        return data.decode(), ""
+        return placed
+    return dataclasses.replace(placed, content="", storage_name=saved)
 
 
-def _insert(attempt: Attempt, chunk: Chunk, now: dt.datetime) -> None:
-    if LogChunk.objects.filter(attempt=attempt, sequence=chunk.sequence).exists():
-        return  # a re-send of a chunk already stored: nothing to place again
-    data = chunk.encode()
-    content, name = _place(attempt, chunk, data)
-    LogChunk.objects.get_or_create(
+def _unplace(placed: list[PlacedChunk]) -> None:
+    """Remove stored content whose row was not written (refused, or rolled back)."""
+    for item in placed:
+        if item.storage_name:
+            try:
+                storages[STORAGE_ALIAS].delete(item.storage_name)
+            except Exception:  # noqa: BLE001 - retention's lifecycle rules are the backstop
+                log.warning("could not remove unused log content %s", item.storage_name)
+
+
+def _insert(attempt: Attempt, placed: PlacedChunk, now: dt.datetime) -> bool:
+    """The chunk's row; False when one was stored already (a re-send)."""
+    _, created = LogChunk.objects.get_or_create(
         attempt=attempt,
-        sequence=chunk.sequence,
+        sequence=placed.chunk.sequence,
         defaults={
             "run_id": attempt.run_id,
-            "first_line": chunk.first_line,
-            "line_count": len(chunk.lines),
-            "byte_count": len(data),
-            "sha256": hashlib.sha256(data).hexdigest(),
-            "content": content,
-            "storage_name": name,
+            "first_line": placed.chunk.first_line,
+            "line_count": len(placed.chunk.lines),
+            "byte_count": placed.byte_count,
+            "sha256": placed.sha256,
+            "content": placed.content,
+            "storage_name": placed.storage_name,
             "created_at": now,
         },
     )
+    return created
 
 
 def chunk_ship(*, attempt: Attempt, chunk: Chunk, now: dt.datetime) -> bool:
-    """Store one chunk while the attempt is current; False (nothing stored) once it is not."""
-    with transaction.atomic():
-        current = (
-            Attempt.objects.select_for_update()
-            .filter(id=attempt.id, state=AttemptState.RUNNING, fencing_token=attempt.fencing_token)
-            .exists()
-        )
-        if not current:
-            return False
-        _insert(attempt, chunk, now)
-    return True
+    """Store one chunk while the attempt is current; False (nothing stored) once it is not.
+
+    The content is placed first; the transaction only locks the attempt row, checks its
+    state and token, and inserts the row, so a slow storage never holds the lock."""
+    placed = chunk_place(attempt=attempt, chunk=chunk)
+    try:
+        with transaction.atomic():
+            current = (
+                Attempt.objects.select_for_update()
+                .filter(
+                    id=attempt.id, state=AttemptState.RUNNING, fencing_token=attempt.fencing_token
+                )
+                .exists()
+            )
+            created = current and _insert(attempt, placed, now)
+    except BaseException:
+        _unplace([placed])
+        raise
+    if not created:
+        _unplace([placed])
+    return current
+
+
+def logs_prepare(*, attempt: Attempt, chunks: list[Chunk]) -> list[PlacedChunk]:
+    """Place the last chunks' content, before the transaction that ends the attempt."""
+    return [chunk_place(attempt=attempt, chunk=chunk) for chunk in chunks]
+
+
+def logs_discard(placed: list[PlacedChunk]) -> None:
+    """The outcome was refused (a stale attempt): its last chunks are not kept."""
+    _unplace(placed)
 
 
 def logs_seal(
-    *, attempt: Attempt, chunks: list[Chunk], dropped_lines: int, now: dt.datetime
+    *, attempt: Attempt, placed: list[PlacedChunk], dropped_lines: int, now: dt.datetime
 ) -> None:
-    """Store the last chunks and the manifest. Call inside the transaction that ends the
-    attempt, after its conditional update won: all of it commits together, or none."""
-    for chunk in chunks:
-        _insert(attempt, chunk, now)
+    """Store the last chunks' rows and the manifest. Call inside the transaction that ends
+    the attempt, after its conditional update won: all of it commits together, or none."""
+    for item in placed:
+        _insert(attempt, item, now)
     rows = list(
         LogChunk.objects.filter(attempt=attempt)
         .order_by("sequence")
@@ -153,7 +224,7 @@ def chunks_delete(chunks) -> int:
         if name:
             try:
                 storage.delete(name)
-            except OSError:
+            except Exception:  # noqa: BLE001 - any backend's failure; see docs/logs.md
                 log.warning("could not delete stored log content %s", name, exc_info=True)
     LogChunk.objects.filter(id__in=[row[0] for row in rows]).delete()
     return len(rows)

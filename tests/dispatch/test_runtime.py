@@ -53,6 +53,8 @@ def test_a_second_delivery_of_a_claimed_run_is_refused_and_counted(queued_run):
     assert AuditEvent.objects.filter(run=run, action="run.duplicate_delivery_refused").count() == 1
 
 
+# Transactional: ctx.heartbeat() renews from the lease keeper's own connection.
+@pytest.mark.django_db(transaction=True)
 def test_handler_context_carries_the_run_identity(queued_run):
     run = queued_run(args=[1], kwargs={"b": 2})
     seen = {}
@@ -103,6 +105,8 @@ def test_an_effect_is_committed_once_and_seen_by_the_next_attempt(queued_run):
     assert Run.objects.get(id=run.id).state == RunState.SUCCEEDED
 
 
+# Transactional: ctx.heartbeat() renews from the lease keeper's own connection.
+@pytest.mark.django_db(transaction=True)
 def test_a_superseded_attempt_can_neither_record_an_effect_nor_complete(queued_run):
     run = queued_run()
     outcomes = []

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as dt
+import json
 import threading
 import time
 from urllib.parse import parse_qs, urlsplit
@@ -20,7 +21,7 @@ from dispatch.scheduler import SchedulerConfig, scheduler_run_once
 from jobs.models import Attempt, AttemptState, Run, RunState
 from jobs.transitions import attempt_succeed, run_claim
 from logs_app import api as logs_api
-from logs_app.store import Chunk, chunk_ship, logs_seal
+from logs_app.store import Chunk, chunk_ship, logs_prepare, logs_seal
 from tests.conftest import PINNED_NOW
 
 NOW = PINNED_NOW  # the clock of conftest's queued_run
@@ -45,8 +46,12 @@ def log_lines(first: int, count: int, text: str = "line", width: int = 0) -> lis
     ]
 
 
+def encoded(lines: list[dict]) -> list[bytes]:
+    return [(json.dumps(line) + "\n").encode() for line in lines]
+
+
 def ship(attempt: Attempt, sequence: int, first: int, count: int, **line_options) -> None:
-    chunk = Chunk(sequence, first, log_lines(first, count, **line_options))
+    chunk = Chunk(sequence, first, encoded(log_lines(first, count, **line_options)))
     assert chunk_ship(attempt=attempt, chunk=chunk, now=NOW)
 
 
@@ -54,7 +59,8 @@ def succeed(attempt: Attempt, last_chunks: list[Chunk] = ()) -> None:
     """End the attempt as its worker does: outcome and manifest in one transaction."""
     with transaction.atomic():
         assert attempt_succeed(attempt=attempt, now=NOW)
-        logs_seal(attempt=attempt, chunks=list(last_chunks), dropped_lines=0, now=NOW)
+        placed = logs_prepare(attempt=attempt, chunks=list(last_chunks))
+        logs_seal(attempt=attempt, placed=placed, dropped_lines=0, now=NOW)
 
 
 def logs_url(run_id) -> str:
@@ -177,7 +183,7 @@ def test_a_lost_attempt_shows_what_it_shipped_as_incomplete(api, queued_run):
     ship(attempt, 0, 0, 4)
     Attempt.objects.filter(id=attempt.id).update(state=AttemptState.LOST, finished_at=NOW)
     # A stale worker can add nothing once the attempt is lost.
-    assert not chunk_ship(attempt=attempt, chunk=Chunk(1, 4, log_lines(4, 1)), now=NOW)
+    assert not chunk_ship(attempt=attempt, chunk=Chunk(1, 4, encoded(log_lines(4, 1))), now=NOW)
 
     body = api.get(logs_url(attempt.run_id)).json()
     assert body["attempt_state"] == "lost"
@@ -235,7 +241,7 @@ def test_follow_returns_new_lines_as_they_ship_and_ends_with_the_attempt(api, qu
 
     def end_later():
         time.sleep(1.0)
-        succeed(attempt, [Chunk(2, 5, log_lines(5, 1, text="last"))])
+        succeed(attempt, [Chunk(2, 5, encoded(log_lines(5, 1, text="last")))])
 
     thread = _in_thread(end_later)
     started = time.monotonic()
@@ -259,7 +265,7 @@ def test_follow_gives_up_after_the_wait_with_no_lines(api, queued_run):
 def test_text_download_streams_one_line_per_log_line(api, queued_run):
     attempt = running_attempt(queued_run)
     ship(attempt, 0, 0, 2)
-    succeed(attempt, [Chunk(1, 2, log_lines(2, 1, text="end"))])
+    succeed(attempt, [Chunk(1, 2, encoded(log_lines(2, 1, text="end")))])
     for response in (
         api.get(logs_url(attempt.run_id), {"format": "text"}),
         api.get(logs_url(attempt.run_id), HTTP_ACCEPT="text/plain"),

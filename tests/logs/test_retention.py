@@ -70,13 +70,15 @@ def test_old_finished_attempts_lose_their_logs_recent_and_running_keep_them(queu
 
 
 @pytest.mark.django_db
-def test_pruning_is_batched_and_manifests_go_last(queued_run):
+def test_pruning_is_batched_and_manifests_go_first(queued_run, api):
     old = attempt_with_logs(queued_run, finished=NOW - dt.timedelta(days=100))
 
-    assert logs_prune(now=NOW, retention_days=30, batch_size=1) == 1
-    # One chunk left: the manifest waits, so the log never shows as complete but partial.
-    assert LogManifest.objects.filter(attempt=old).exists()
-    assert logs_prune(now=NOW, retention_days=30, batch_size=1) == 2  # last chunk, manifest
+    assert logs_prune(now=NOW, retention_days=30, batch_size=1) == 2  # manifest, first chunk
+    # One chunk left: the log shows as incomplete, never as complete but partial.
+    assert not LogManifest.objects.filter(attempt=old).exists()
+    body = api.get(f"/api/v1/runs/{old.run_id}/logs/").json()
+    assert body["complete"] is False and body["lines"]
+    assert logs_prune(now=NOW, retention_days=30, batch_size=1) == 1  # the last chunk
     assert logs_prune(now=NOW, retention_days=30, batch_size=1) == 0
 
 
@@ -85,8 +87,8 @@ def test_reconciliation_prunes_one_batch_per_pass(queued_run, settings):
     settings.SCHEDULER_LOGS = {**settings.SCHEDULER_LOGS, "retention_days": 30}
     attempt_with_logs(queued_run, finished=NOW - dt.timedelta(days=31))
     config = ReconcileConfig(batch_size=1)
-    assert reconcile_run_once(now=NOW, config=config, queue_depth=lambda q: 0).logs_pruned == 1
     assert reconcile_run_once(now=NOW, config=config, queue_depth=lambda q: 0).logs_pruned == 2
+    assert reconcile_run_once(now=NOW, config=config, queue_depth=lambda q: 0).logs_pruned == 1
     assert reconcile_run_once(now=NOW, config=config, queue_depth=lambda q: 0).logs_pruned == 0
 
 
