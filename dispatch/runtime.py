@@ -54,8 +54,8 @@ class LeaseKeeper:
         # While renewals fail (the database is away), retry every half second, so that the
         # lease is renewed as soon as it returns, before the reaper's next look.
         self.failing = False
-        # Set while the attempt's own outcome is written: a refusal then is that outcome
-        # landing, not staleness.
+        # Set while the attempt's own outcome is written: a refusal that finds that outcome
+        # recorded is not staleness.
         self.finishing = False
         self._stop = threading.Event()
         self._poke = threading.Event()  # renew now: a heartbeat asked, or stop
@@ -105,23 +105,24 @@ class LeaseKeeper:
         self.failing = False
         if not renewed and not self.lost.is_set():
             self.lost.set()
-            if self.finishing:
-                pass
-            elif self._was_cancelled():
+            state = self._attempt_state()
+            if state == AttemptState.CANCELLED:
                 log.info("run %s was cancelled; the handler is asked to stop", self.attempt.run_id)
+            elif self.finishing and state in (AttemptState.SUCCEEDED, AttemptState.FAILED):
+                pass  # the attempt's own outcome just landed
             else:
                 counter_increment("scheduler_stale_completions_total", labels='kind="heartbeat"')
         return renewed
 
-    def _was_cancelled(self) -> bool:
-        """A cancel ends the attempt on purpose: that refusal is not counted as stale."""
+    def _attempt_state(self) -> str | None:
+        """Why a renewal was refused: a cancel or the attempt's own outcome are not
+        staleness, and are not counted as such."""
         try:
-            state = (
+            return (
                 Attempt.objects.filter(id=self.attempt.id).values_list("state", flat=True).first()
             )
         except DatabaseError:
-            return False
-        return state == AttemptState.CANCELLED
+            return None
 
     def _run(self) -> None:
         try:

@@ -35,12 +35,10 @@ from .store import Chunk, chunk_ship, clean_line, encode_line
 
 log = logging.getLogger("logs_app.capture")
 LIMIT_MARKER = (
-    "[log truncated: this attempt reached its limit of {limit} bytes; "
-    "{dropped} more lines dropped]"
+    "[log truncated: this attempt reached its limit of {limit} bytes; {dropped} more lines dropped]"
 )
 GAP_MARKER = (
-    "[{dropped} lines dropped here: the log store was unreachable "
-    "and the worker's buffer was full]"
+    "[{dropped} lines dropped here: the log store was unreachable and the worker's buffer was full]"
 )
 
 _captures: dict[int, LogCapture] = {}  # thread ident -> the capture of the handler it runs

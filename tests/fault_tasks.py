@@ -47,9 +47,11 @@ def work(ctx, seconds=0.3):
 
 @job_task(name="faults.oblivious")
 def oblivious(ctx, seconds=5.0):
-    """Ignores cancel_requested (a handler deep in a call), then commits its effect."""
+    """Works without looking at cancel_requested (a handler deep in a call), then sends a
+    heartbeat and commits its effect."""
     _record(ctx, "started", pid=os.getpid())
     _busy(ctx, seconds, heartbeat=False)
+    _record(ctx, "heartbeat", alive=ctx.heartbeat())
     _commit_effect(ctx, "work")
     _record(ctx, "executed")
     return {"ok": True}

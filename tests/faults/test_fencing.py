@@ -57,4 +57,8 @@ def test_sigstopped_worker_is_fenced_after_its_run_is_re_leased(stack):
     assert AuditEvent.objects.filter(run=run, action="attempt.lost").count() == 1
     effects_by_attempt = [e["attempt"] for e in stack.executions() if e["event"] == "effect"]
     assert effects_by_attempt == [2]
+    heartbeats = [
+        (e["attempt"], e["alive"]) for e in stack.executions() if e["event"] == "heartbeat"
+    ]
+    assert sorted(heartbeats) == [(1, False), (2, True)]
     assert invariant_violations() == []
