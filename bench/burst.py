@@ -11,17 +11,14 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import os
 import shlex
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-PG = os.environ.get("BENCH_PG", "postgres://postgres@127.0.0.1:5432")
-RABBIT = os.environ.get("BENCH_RABBIT", "amqp://guest:guest@127.0.0.1:5672")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import ROOT, bench_environment  # noqa: E402
 
 
 def quantiles(values: list[float]) -> str:
@@ -44,29 +41,12 @@ def main() -> None:
     parser.add_argument("--lead", type=float, default=15.0, help="seconds until the jobs are due")
     args = parser.parse_args()
 
-    name = f"bench_{os.getpid()}"
-    subprocess.run(["psql", f"{PG}/postgres", "-qc", f"CREATE DATABASE {name}"], check=True)
-    subprocess.run(["rabbitmqctl", "-q", "add_vhost", name], check=True)
-    subprocess.run(
-        ["rabbitmqctl", "-q", "set_permissions", "-p", name, "guest", ".*", ".*", ".*"], check=True
-    )
-    workdir = Path(tempfile.mkdtemp(prefix="bench-"))
-    env = {
-        **os.environ,
-        "DATABASE_URL": f"{PG}/{name}",
-        "CELERY_BROKER_URL": f"{RABBIT}/{name}",
-        "DJANGO_SETTINGS_MODULE": "scheduler_project.settings.base",
-        "SCHEDULER_TASK_MODULES": "tests.sample_tasks",
-        "SCHEDULER_VAR_DIR": str(workdir),
-    }
-    os.environ.update(env)
-    sys.path.insert(0, str(ROOT))
-    import django
+    with bench_environment("bench", task_modules="tests.sample_tasks") as (env, workdir):
+        run_burst(args, env, workdir)
 
-    django.setup()
+
+def run_burst(args, env: dict, workdir: Path) -> None:
     from django.contrib.auth import get_user_model
-    from django.core.management import call_command
-    from django.db import connection
 
     from dispatch.commands import worker_argv
     from jobs.models import Run, RunState
@@ -75,7 +55,6 @@ def main() -> None:
 
     processes = []
     try:
-        call_command("migrate", verbosity=0)
         owner = get_user_model().objects.create_user("bench")
         now = dt.datetime.now(dt.UTC)
         due = (now + dt.timedelta(seconds=args.lead)).replace(microsecond=0)
@@ -149,11 +128,6 @@ def main() -> None:
             process.terminate()
         for process in processes:
             process.wait(timeout=60)
-        connection.close()
-        subprocess.run(
-            ["psql", f"{PG}/postgres", "-qc", f"DROP DATABASE IF EXISTS {name} WITH (FORCE)"]
-        )
-        subprocess.run(["rabbitmqctl", "-q", "delete_vhost", name])
 
 
 if __name__ == "__main__":

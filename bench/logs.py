@@ -13,17 +13,14 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import os
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-PG = os.environ.get("BENCH_PG", "postgres://postgres@127.0.0.1:5432")
-RABBIT = os.environ.get("BENCH_RABBIT", "amqp://guest:guest@127.0.0.1:5672")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import ROOT, bench_environment  # noqa: E402
 
 
 def main() -> None:
@@ -32,29 +29,13 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=5)
     args = parser.parse_args()
 
-    name = f"bench_logs_{os.getpid()}"
-    subprocess.run(["psql", f"{PG}/postgres", "-qc", f"CREATE DATABASE {name}"], check=True)
-    subprocess.run(["rabbitmqctl", "-q", "add_vhost", name], check=True)
-    subprocess.run(
-        ["rabbitmqctl", "-q", "set_permissions", "-p", name, "guest", ".*", ".*", ".*"], check=True
-    )
-    workdir = Path(tempfile.mkdtemp(prefix="bench-logs-"))
-    env = {
-        **os.environ,
-        "DATABASE_URL": f"{PG}/{name}",
-        "CELERY_BROKER_URL": f"{RABBIT}/{name}",
-        "DJANGO_SETTINGS_MODULE": "scheduler_project.settings.base",
-        "SCHEDULER_TASK_MODULES": "tests.sample_tasks,tests.fault_tasks",
-        "SCHEDULER_VAR_DIR": str(workdir),
-    }
-    os.environ.update(env)
-    sys.path.insert(0, str(ROOT))
-    import django
+    modules = "tests.sample_tasks,tests.fault_tasks"
+    with bench_environment("bench_logs", task_modules=modules) as (env, workdir):
+        run_logs_bench(args, env, workdir)
 
-    django.setup()
+
+def run_logs_bench(args, env: dict, workdir: Path) -> None:
     from django.contrib.auth import get_user_model
-    from django.core.management import call_command
-    from django.db import connection
 
     from dispatch.commands import worker_argv
     from jobs.models import Run, RunState
@@ -103,7 +84,6 @@ def main() -> None:
         return durations
 
     try:
-        call_command("migrate", verbosity=0)
         start([sys.executable, "manage.py", "scheduler", "--poll-interval", "0.2"], "scheduler.log")
         start([sys.executable, "manage.py", "relay"], "relay.log")
         results = {}
@@ -135,9 +115,6 @@ def main() -> None:
                 process.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 process.kill()
-        connection.close()
-        subprocess.run(["psql", f"{PG}/postgres", "-qc", f"DROP DATABASE {name} WITH (FORCE)"])
-        subprocess.run(["rabbitmqctl", "-q", "delete_vhost", name])
 
 
 if __name__ == "__main__":

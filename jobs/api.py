@@ -638,28 +638,30 @@ class JobCancelApi(APIView):
         return Response(JobOutput(job_get(user=request.user, job_id=job_id)).data)
 
 
+def _run_action(request, run_id, action, refusal: str) -> Response:
+    """An operator action on a run: 404 when not visible, 409 (with `refusal` formatted by
+    the run's state) when the action is illegal in that state, else the run."""
+    run = run_get(user=request.user, run_id=run_id)
+    if run is None:
+        raise Http404
+    if not action(run=run, actor=request.user, now=db_now()):
+        run.refresh_from_db()
+        return _conflict(refusal.format(state=run.state), state=run.state)
+    return Response(RunOutput(run_get(user=request.user, run_id=run_id)).data)
+
+
 class RunCancelApi(APIView):
     @extend_schema(request=None, responses={200: RunOutput, 409: Problem})
     def post(self, request, run_id):
-        run = run_get(user=request.user, run_id=run_id)
-        if run is None:
-            raise Http404
-        if not run_cancel_request(run=run, actor=request.user, now=db_now()):
-            run.refresh_from_db()
-            return _conflict(f"a {run.state} run cannot be cancelled", state=run.state)
-        return Response(RunOutput(run_get(user=request.user, run_id=run_id)).data)
+        return _run_action(request, run_id, run_cancel_request, "a {state} run cannot be cancelled")
 
 
 class RunReplayApi(APIView):
     @extend_schema(request=None, responses={200: RunOutput, 409: Problem})
     def post(self, request, run_id):
-        run = run_get(user=request.user, run_id=run_id)
-        if run is None:
-            raise Http404
-        if not run_replay_request(run=run, actor=request.user, now=db_now()):
-            run.refresh_from_db()
-            return _conflict(
-                f"only a failed or cancelled run can be replayed, not a {run.state} one",
-                state=run.state,
-            )
-        return Response(RunOutput(run_get(user=request.user, run_id=run_id)).data)
+        return _run_action(
+            request,
+            run_id,
+            run_replay_request,
+            "only a failed or cancelled run can be replayed, not a {state} one",
+        )
