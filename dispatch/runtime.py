@@ -245,17 +245,20 @@ def _claim(*, run_id: str, worker: str) -> tuple[Run | None, Attempt | None]:
     up here loses nothing: the run stays queued and reconciliation publishes it again."""
 
     claim_id = uuid.uuid4()
+    tries = []
 
     def claim() -> tuple[Run | None, Attempt | None]:
+        tries.append(1)
         run = Run.objects.select_related("job_version").filter(id=run_id).first()
         if run is None:
             return None, None
-        # A retry after an ambiguous commit: the first try may have claimed it after all.
-        mine = Attempt.objects.filter(
-            run_id=run_id, claim_id=claim_id, state=AttemptState.RUNNING
-        ).first()
-        if mine is not None:
-            return run, mine
+        if len(tries) > 1:
+            # A retry after an ambiguous commit: the first try may have claimed it after all.
+            mine = Attempt.objects.filter(
+                run_id=run_id, claim_id=claim_id, state=AttemptState.RUNNING
+            ).first()
+            if mine is not None:
+                return run, mine
         spec = run.job_version.spec
         return run, run_claim(
             run_id=run_id,
@@ -277,23 +280,25 @@ def _cause(exc: BaseException) -> str:
     return CAUSE_ERROR
 
 
-def _finish_capture(capture: LogCapture, attempt: Attempt) -> tuple[list, int]:
-    """The capture's last chunks, their content placed, and the count of lines dropped.
-    Celery's soft time limit landing here does not lose the outcome: it is finished anyway."""
+def _finish_capture(capture: LogCapture, attempt: Attempt) -> dict:
+    """What `logs_seal` needs: the capture's last chunks with their content placed, the
+    count of lines dropped, and whether chunks were stored during the run. Celery's soft
+    time limit landing here does not lose the outcome: it is finished anyway."""
     while True:
         try:
             chunks, dropped = capture.finish()
-            return logs_prepare(attempt=attempt, chunks=chunks), dropped
+            return {
+                "placed": logs_prepare(attempt=attempt, chunks=chunks),
+                "dropped_lines": dropped,
+                "shipped": capture.shipped > 0,
+            }
         except SoftTimeLimitExceeded:
             log.warning("the soft time limit interrupted finishing the logs; finishing anyway")
 
 
-def _failure_writer(
-    *, run: Run, attempt: Attempt, exc: BaseException, worker: str, logs: tuple[list, int]
-):
+def _failure_writer(*, run: Run, attempt: Attempt, exc: BaseException, worker: str, logs: dict):
     error = redact("".join(traceback.format_exception(exc))[-8000:].replace("\x00", ""))
     cause = _cause(exc)
-    placed, dropped = logs
 
     def write() -> str | None:
         with transaction.atomic():
@@ -308,7 +313,7 @@ def _failure_writer(
                 by=f"worker:{worker}",
             )
             if outcome is not None:
-                logs_seal(attempt=attempt, placed=placed, dropped_lines=dropped, now=now)
+                logs_seal(attempt=attempt, now=now, **logs)
         if (
             outcome is None
             and Attempt.objects.filter(
@@ -318,7 +323,7 @@ def _failure_writer(
             # A retry after an ambiguous commit: the first try did record this failure.
             return Run.objects.filter(id=run.id).values_list("state", flat=True).first()
         if outcome is None:
-            logs_discard(placed)
+            logs_discard(logs["placed"])
         return outcome
 
     return write
@@ -377,7 +382,7 @@ def run_execute_delivery(*, run_id: str, handler: Callable, worker: str, message
                 keeper.stop()
             raise
     else:
-        placed, dropped = _finish_capture(capture, attempt)
+        logs = _finish_capture(capture, attempt)
         keeper.finishing = True
 
         def write() -> str | None:
@@ -385,13 +390,13 @@ def run_execute_delivery(*, run_id: str, handler: Callable, worker: str, message
                 now = db_now()
                 won = attempt_succeed(attempt=attempt, now=now, result=_storable_result(result))
                 if won:  # the logs are complete whenever the run shows its success
-                    logs_seal(attempt=attempt, placed=placed, dropped_lines=dropped, now=now)
+                    logs_seal(attempt=attempt, now=now, **logs)
             # Refused, yet succeeded: a retry after an ambiguous commit of this very write.
             won = won or (
                 Attempt.objects.filter(id=attempt.id, state=AttemptState.SUCCEEDED).exists()
             )
             if not won:
-                logs_discard(placed)
+                logs_discard(logs["placed"])
             return RunState.SUCCEEDED if won else None
 
     try:

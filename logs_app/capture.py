@@ -66,6 +66,7 @@ class LogCapture:
         self._dropped_for_buffer = 0  # since the last gap marker
         self.dropped_for_buffer_total = 0
         self.stale = False
+        self.shipped = 0  # chunks stored while the handler ran
         self._stopping = False
         self._finished: tuple[list[Chunk], int] | None = None
         self._thread = threading.Thread(target=self._ship_loop, name="log-shipper", daemon=True)
@@ -209,6 +210,7 @@ class LogCapture:
             with self._lock:
                 self._pending.remove(chunk)
                 self._held -= chunk.size
+                self.shipped += 1
             if not stored:
                 # The attempt is no longer current: it may add nothing to the run's logs.
                 with self._lock:

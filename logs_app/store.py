@@ -184,17 +184,26 @@ def logs_discard(placed: list[PlacedChunk]) -> None:
 
 
 def logs_seal(
-    *, attempt: Attempt, placed: list[PlacedChunk], dropped_lines: int, now: dt.datetime
+    *,
+    attempt: Attempt,
+    placed: list[PlacedChunk],
+    dropped_lines: int,
+    now: dt.datetime,
+    shipped: bool = True,
 ) -> None:
     """Store the last chunks' rows and the manifest. Call inside the transaction that ends
-    the attempt, after its conditional update won: all of it commits together, or none."""
+    the attempt, after its conditional update won: all of it commits together, or none.
+    `shipped`: whether chunks were stored while the attempt ran (False: `placed` is all)."""
     for item in placed:
         _insert(attempt, item, now)
-    rows = list(
-        LogChunk.objects.filter(attempt=attempt)
-        .order_by("sequence")
-        .values_list("sha256", "line_count", "byte_count")
-    )
+    if shipped:
+        rows = list(
+            LogChunk.objects.filter(attempt=attempt)
+            .order_by("sequence")
+            .values_list("sha256", "line_count", "byte_count")
+        )
+    else:  # every chunk is in `placed`: no need to read them back
+        rows = [(item.sha256, len(item.chunk.lines), item.byte_count) for item in placed]
     LogManifest.objects.create(
         attempt=attempt,
         chunk_count=len(rows),
