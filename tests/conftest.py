@@ -37,6 +37,15 @@ def rabbitmq_vhost():
         _rabbitmqctl("delete_vhost", vhost)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def log_storage_directory():
+    """Run logs' content of this session (settings.test): removed when the session ends."""
+    import shutil
+
+    yield
+    shutil.rmtree(settings.STORAGES["scheduler_logs"]["OPTIONS"]["location"], ignore_errors=True)
+
+
 @pytest.fixture
 def user(db):
     return get_user_model().objects.create_user(f"user-{uuid.uuid4().hex[:8]}", password="pw")
