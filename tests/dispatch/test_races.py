@@ -7,7 +7,7 @@ import threading
 import time
 
 import pytest
-from django.db import connection, transaction
+from django.db import transaction
 
 import jobs.transitions as transitions
 from dispatch.models import OutboxMessage, OutboxState
@@ -19,26 +19,13 @@ from jobs.models import Attempt, AttemptState, Run, RunState
 from jobs.services import run_cancel_request
 from jobs.transitions import attempt_renew_lease, attempt_succeed, run_claim
 from tests.conftest import PINNED_NOW
+from tests.threads import in_thread, wait_for_lock_waiters
 
 NOW = PINNED_NOW
 
 
 def later(seconds: float) -> dt.datetime:
     return NOW + dt.timedelta(seconds=seconds)
-
-
-def in_thread(call, errors: list) -> threading.Thread:
-    def target() -> None:
-        try:
-            call()
-        except BaseException as exc:  # noqa: BLE001 - reported by the test
-            errors.append(exc)
-        finally:
-            connection.close()
-
-    thread = threading.Thread(target=target)
-    thread.start()
-    return thread
 
 
 @pytest.mark.django_db(transaction=True)
@@ -304,8 +291,6 @@ def test_a_completion_whose_commit_answer_was_lost_is_not_counted_stale(queued_r
 def test_a_cancel_waiting_on_a_claim_in_flight_cancels_the_attempt_it_made(queued_run):
     from django.db import connections
 
-    from tests.jobs.test_races import wait_for_lock_waiters
-
     run = queued_run()
     result = {}
 
@@ -334,7 +319,6 @@ def test_a_final_failure_pausing_its_job_never_deadlocks_with_cancel_previous(ma
 
     from jobs.models import Job
     from jobs.services import attempt_record_failure
-    from tests.jobs.test_races import wait_for_lock_waiters
 
     job = make_job(
         now=NOW,

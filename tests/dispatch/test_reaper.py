@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import datetime as dt
 import threading
-import time
 
 import pytest
 from django.db import connection, transaction
@@ -20,6 +19,7 @@ from jobs.retry import CAUSE_ERROR
 from jobs.services import attempt_record_failure, run_replay_request
 from jobs.transitions import attempt_renew_lease, attempt_succeed, run_claim
 from tests.conftest import PINNED_NOW
+from tests.threads import in_thread, wait_for_lock_waiters
 
 NOW = PINNED_NOW
 LEASE = 30.0
@@ -296,22 +296,6 @@ def test_a_replay_after_exhausting_grants_a_fresh_retry_budget(queued_run, user)
     assert (run.state, run.failure_reason, run.attempt_count) == (RunState.FAILED, "lost", 4)
 
 
-def _backends_waiting_on_locks() -> int:
-    with connection.cursor() as cursor:
-        cursor.execute(
-            "SELECT count(*) FROM pg_stat_activity"
-            " WHERE datname = current_database() AND wait_event_type = 'Lock'"
-        )
-        return cursor.fetchone()[0]
-
-
-def _wait_for_waiting_backends(count: int) -> None:
-    deadline = time.monotonic() + 10
-    while _backends_waiting_on_locks() < count:
-        assert time.monotonic() < deadline, f"{count} backends never waited on a lock"
-        time.sleep(0.02)
-
-
 @pytest.mark.django_db(transaction=True)
 def test_a_cancel_racing_the_reaper_never_deadlocks_and_both_outcomes_stand(queued_run, user):
     from jobs.services import run_cancel_request
@@ -332,26 +316,14 @@ def test_a_cancel_racing_the_reaper_never_deadlocks_and_both_outcomes_stand(queu
         finally:
             connection.close()
 
-    def in_thread(call) -> threading.Thread:
-        def target() -> None:
-            try:
-                call()
-            except BaseException as exc:  # noqa: BLE001 - reported by the test below
-                errors.append(exc)
-            finally:
-                connection.close()
-
-        thread = threading.Thread(target=target)
-        thread.start()
-        return thread
-
     holder = threading.Thread(target=hold_first_run)
     holder.start()
     assert held.wait(timeout=10)
-    reaper = in_thread(lambda: reaper_run_once(now=later(60), config=CONFIG))
-    _wait_for_waiting_backends(1)  # the reaper waits for the first run's row
+    reaper = in_thread(lambda: reaper_run_once(now=later(60), config=CONFIG), errors)
+    wait_for_lock_waiters(1)  # the reaper waits for the first run's row
     canceller = in_thread(
-        lambda: run_cancel_request(run=Run.objects.get(id=second.id), actor=user, now=later(61))
+        lambda: run_cancel_request(run=Run.objects.get(id=second.id), actor=user, now=later(61)),
+        errors,
     )
     # The reaper holds no lock on the second attempt while it waits on the first: the cancel
     # finishes at once instead of deadlocking.

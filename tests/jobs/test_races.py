@@ -7,7 +7,6 @@ the one under test every time, not whichever order the threads happen to run in.
 from __future__ import annotations
 
 import threading
-import time
 
 import pytest
 from django.db import connection, connections, transaction
@@ -17,6 +16,7 @@ from rest_framework.test import APIClient
 
 from jobs.models import IdempotencyRecord, Job, JobVersion
 from tests.jobs.test_api_validation import valid_body
+from tests.threads import wait_for_lock_waiters
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -41,23 +41,6 @@ def in_threads(*requests) -> list:
     for thread in threads:
         thread.start()
     return threads, responses
-
-
-def wait_for_lock_waiters(count: int) -> None:
-    """Until `count` other sessions wait on a lock (the main thread's)."""
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline:
-        with connections["default"].cursor() as cursor:
-            # Statistics views are a snapshot per transaction, and this one is open.
-            cursor.execute("SELECT pg_stat_clear_snapshot()")
-            cursor.execute(
-                "SELECT count(*) FROM pg_stat_activity "
-                "WHERE datname = current_database() AND wait_event_type = 'Lock'"
-            )
-            if cursor.fetchone()[0] >= count:
-                return
-        time.sleep(0.02)
-    raise AssertionError(f"{count} requests never waited on the lock")
 
 
 def test_two_concurrent_patches_of_one_version_one_wins_one_gets_412(user):

@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import datetime as dt
 import json
-import threading
 import time
 from urllib.parse import parse_qs, urlsplit
 
 import pytest
 from django.contrib.auth import get_user_model
 from django.contrib.auth.models import Group
-from django.db import connection, transaction
+from django.db import transaction
 from django.urls import reverse
 from rest_framework.authtoken.models import Token
 from rest_framework.test import APIClient
@@ -23,6 +22,7 @@ from jobs.transitions import attempt_succeed, run_claim
 from logs_app import api as logs_api
 from logs_app.store import Chunk, chunk_ship, logs_prepare, logs_seal
 from tests.conftest import PINNED_NOW
+from tests.threads import in_thread
 
 NOW = PINNED_NOW  # the clock of conftest's queued_run
 
@@ -205,18 +205,6 @@ def test_a_running_attempt_gives_a_next_to_poll(api, queued_run):
     assert again["lines"] == [] and again["next"] == body["next"]
 
 
-def _in_thread(target) -> threading.Thread:
-    def run():
-        try:
-            target()
-        finally:
-            connection.close()
-
-    thread = threading.Thread(target=run)
-    thread.start()
-    return thread
-
-
 @pytest.mark.django_db(transaction=True)
 def test_follow_returns_new_lines_as_they_ship_and_ends_with_the_attempt(api, queued_run):
     attempt = running_attempt(queued_run)
@@ -230,7 +218,7 @@ def test_follow_returns_new_lines_as_they_ship_and_ends_with_the_attempt(api, qu
         ship(attempt, 1, 2, 3)
         shipped_at.append(time.monotonic())
 
-    thread = _in_thread(ship_later)
+    thread = in_thread(ship_later)
     body = api.get(first["next"] + "&follow=true&wait=10").json()
     answered_at = time.monotonic()
     thread.join()
@@ -243,7 +231,7 @@ def test_follow_returns_new_lines_as_they_ship_and_ends_with_the_attempt(api, qu
         time.sleep(1.0)
         succeed(attempt, [Chunk(2, 5, encoded(log_lines(5, 1, text="last")))])
 
-    thread = _in_thread(end_later)
+    thread = in_thread(end_later)
     started = time.monotonic()
     final = api.get(body["next"]).json()  # `next` keeps follow and wait
     thread.join()
