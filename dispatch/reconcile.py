@@ -25,14 +25,12 @@ from django.db import transaction
 from django.db.models import Exists, F, OuterRef, Q, Subquery
 from django.db.models.functions import Coalesce
 
-from jobs.models import Attempt, AttemptState, AuditEvent, Run, RunState
+from jobs.counters import counter_increment
+from jobs.models import Attempt, AttemptState, AuditEvent, OutboxMessage, OutboxState, Run, RunState
+from jobs.outbox import outbox_enqueue_runs
 from jobs.retry import CAUSE_LOST, failure_outcome
 from jobs.transitions import run_end_orphan, run_give_up
 from logs_app.retention import logs_prune
-
-from .counters import counter_increment
-from .models import OutboxMessage, OutboxState
-from .outbox import outbox_enqueue_runs
 
 log = logging.getLogger("dispatch.reconcile")
 

@@ -5,9 +5,8 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 
+from jobs.registry import task_register
 from scheduler_project.celery import app
-
-_handlers: dict[str, Callable] = {}
 
 
 def job_task(name: str, **celery_options):
@@ -18,10 +17,7 @@ def job_task(name: str, **celery_options):
     """
 
     def decorate(handler: Callable):
-        registered = _handlers.get(name)
-        if registered is not None and registered.__qualname__ != handler.__qualname__:
-            raise ValueError(f"job task '{name}' is already registered by {registered!r}")
-        _handlers[name] = handler
+        task_register(name=name, handler=handler)
 
         @app.task(name=name, bind=True, **celery_options)
         def deliver(self, run_id: str):
@@ -37,7 +33,3 @@ def job_task(name: str, **celery_options):
         return deliver
 
     return decorate
-
-
-def registered_task_names() -> frozenset[str]:
-    return frozenset(_handlers)

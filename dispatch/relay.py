@@ -19,11 +19,10 @@ from django.db import transaction
 from django.db.models import F
 from kombu import Connection, Producer
 
-from jobs.models import Run
+from jobs.models import OutboxMessage, OutboxState, Run
 
 from .failpoints import failpoint
 from .loop import BROKER_ERRORS
-from .models import OutboxMessage, OutboxState
 
 log = logging.getLogger("dispatch.relay")
 # Seconds between Celery's soft time limit (the handler gets SoftTimeLimitExceeded) and its

@@ -18,17 +18,16 @@ from typing import TypeVar
 from celery.exceptions import SoftTimeLimitExceeded
 from django.db import DatabaseError, InterfaceError, OperationalError, connection, transaction
 
-from jobs.models import Attempt, AttemptState, Run, RunState
+from jobs.clock import db_now
+from jobs.counters import counter_increment
+from jobs.models import Attempt, AttemptState, Effect, Run, RunState
 from jobs.retry import CAUSE_ERROR, CAUSE_NON_RETRYABLE, CAUSE_TIMEOUT
 from jobs.services import attempt_record_failure, run_record_duplicate_delivery
 from jobs.transitions import attempt_renew_lease, attempt_succeed, run_claim
 from logs_app.capture import LogCapture
 from logs_app.store import logs_discard, logs_prepare, logs_seal, redact
 
-from .clock import db_now
-from .counters import counter_increment
 from .errors import NonRetryableError, StaleAttempt
-from .models import Effect
 
 T = TypeVar("T")
 log = logging.getLogger("dispatch.runtime")

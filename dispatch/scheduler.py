@@ -25,6 +25,7 @@ from django.db.models.functions import RowNumber
 
 from jobs.idempotency import idempotency_prune
 from jobs.models import AuditEvent, Job, JobState, JobVersion, Run, RunKind, RunState
+from jobs.outbox import outbox_enqueue_runs
 from jobs.schedules import ScheduleError
 from jobs.services import (
     LIVE_JOB_STATES,
@@ -34,8 +35,6 @@ from jobs.services import (
     run_cancel_request,
 )
 from jobs.transitions import ACTIVE_RUN_STATES, runs_requeue
-
-from .outbox import outbox_enqueue_runs
 
 # An occurrence later than this (when misfire.grace_seconds is null) is a misfire.
 MISFIRE_DEFAULT_GRACE = dt.timedelta(seconds=60)

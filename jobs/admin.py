@@ -5,9 +5,8 @@ from django.contrib import admin, messages
 from django.urls import reverse
 from django.utils.html import format_html
 
-from dispatch.clock import db_now
-
-from .models import Attempt, AuditEvent, Job, JobVersion, Run
+from .clock import db_now
+from .models import Attempt, AuditEvent, Counter, Effect, Job, JobVersion, OutboxMessage, Run
 from .services import job_cancel, run_cancel_request, run_replay_request
 
 
@@ -129,3 +128,19 @@ class AttemptAdmin(ReadOnlyAdmin):
 class AuditEventAdmin(ReadOnlyAdmin):
     list_display = ("created_at", "actor_label", "action", "job", "run")
     list_filter = ("action",)
+
+
+@admin.register(OutboxMessage)
+class OutboxMessageAdmin(ReadOnlyAdmin):
+    list_display = ("id", "run", "task_name", "queue", "state", "created_at", "published_at")
+    list_filter = ("state", "queue")
+
+
+@admin.register(Effect)
+class EffectAdmin(ReadOnlyAdmin):
+    list_display = ("run", "name", "attempt_number", "fencing_token", "created_at")
+
+
+@admin.register(Counter)
+class CounterAdmin(ReadOnlyAdmin):
+    list_display = ("name", "labels", "value")

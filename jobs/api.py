@@ -17,9 +17,8 @@ from rest_framework.pagination import CursorPagination
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
-from dispatch.clock import db_now
-
 from . import schedules
+from .clock import db_now
 from .idempotency import (
     Answer,
     IdempotencyConflict,

@@ -10,12 +10,21 @@ from django.contrib.auth.models import AbstractBaseUser
 from django.db import transaction
 from django.db.models import F, Max, Q
 
-from dispatch.counters import counter_increment
-from dispatch.models import OutboxMessage, OutboxState
-from dispatch.outbox import outbox_enqueue_runs
-
 from . import schedules
-from .models import AttemptState, AuditEvent, Job, JobState, JobVersion, Run, RunKind, RunState
+from .counters import counter_increment
+from .models import (
+    AttemptState,
+    AuditEvent,
+    Job,
+    JobState,
+    JobVersion,
+    OutboxMessage,
+    OutboxState,
+    Run,
+    RunKind,
+    RunState,
+)
+from .outbox import outbox_enqueue_runs
 from .retry import CAUSE_LOST, CAUSE_TIMEOUT, failure_outcome
 from .transitions import (
     ACTIVE_RUN_STATES,

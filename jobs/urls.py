@@ -1,7 +1,5 @@
 from django.urls import path
 
-from logs_app.api import RunLogsApi
-
 from . import api
 
 urlpatterns = [
@@ -19,5 +17,4 @@ urlpatterns = [
     path("runs/<uuid:run_id>/", api.RunDetailApi.as_view(), name="run-detail"),
     path("runs/<uuid:run_id>/cancel/", api.RunCancelApi.as_view(), name="run-cancel"),
     path("runs/<uuid:run_id>/replay/", api.RunReplayApi.as_view(), name="run-replay"),
-    path("runs/<uuid:run_id>/logs/", RunLogsApi.as_view(), name="run-logs"),
 ]

@@ -12,9 +12,8 @@ from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
-from dispatch.registry import registered_task_names
-
 from . import schedules
+from .registry import registered_task_names
 from .retry import DEFAULT_RETRY
 from .services import job_first_fire
 

@@ -1,12 +1,19 @@
 from django.contrib import admin
 from django.urls import include, path
+from django.views.generic import RedirectView
 from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
 
-from dispatch import views as ops
+from jobs import ops
 
 urlpatterns = [
+    # The outbox, effects and counters moved from the dispatch app to jobs: old links work.
+    path(
+        "admin/dispatch/<path:rest>",
+        RedirectView.as_view(url="/admin/jobs/%(rest)s", permanent=True, query_string=True),
+    ),
     path("admin/", admin.site.urls),
     path("api/v1/", include("jobs.urls")),
+    path("api/v1/", include("logs_app.urls")),
     path("api/schema/", SpectacularAPIView.as_view(), name="schema"),
     path("api/docs/", SpectacularSwaggerView.as_view(url_name="schema"), name="api-docs"),
     path("healthz", ops.healthz),

@@ -7,7 +7,7 @@ import signal
 import time
 
 from dispatch import job_task
-from dispatch.counters import counter_increment
+from jobs.counters import counter_increment
 from tests.sample_tasks import _record
 
 EFFECT_COUNTER = "test_effect_commits"

@@ -8,8 +8,7 @@ import statistics
 import pytest
 from django.contrib.auth import get_user_model
 
-from dispatch.models import Counter, OutboxMessage, OutboxState
-from jobs.models import Job, Run, RunState
+from jobs.models import Counter, Job, OutboxMessage, OutboxState, Run, RunState
 from jobs.services import job_create
 from tests.conftest import job_spec
 from tests.processes import wait_for

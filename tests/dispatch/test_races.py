@@ -10,12 +10,11 @@ import pytest
 from django.db import transaction
 
 import jobs.transitions as transitions
-from dispatch.models import OutboxMessage, OutboxState
 from dispatch.reaper import OutageGrace, ReaperConfig, reaper_run_once
 from dispatch.reconcile import ReconcileConfig, reconcile_run_once
 from dispatch.runtime import RunContext, run_execute_delivery
 from dispatch.scheduler import SchedulerConfig, scheduler_run_once
-from jobs.models import Attempt, AttemptState, Run, RunState
+from jobs.models import Attempt, AttemptState, OutboxMessage, OutboxState, Run, RunState
 from jobs.services import run_cancel_request
 from jobs.transitions import attempt_renew_lease, attempt_succeed, run_claim
 from tests.conftest import PINNED_NOW
@@ -215,7 +214,7 @@ def test_a_claim_whose_commit_answer_was_lost_is_recognized_on_retry(queued_run,
     from django.db import OperationalError
 
     import dispatch.runtime as runtime
-    from dispatch.models import Counter
+    from jobs.models import Counter
 
     run = queued_run()
     real_claim = runtime.run_claim
@@ -248,7 +247,7 @@ def test_a_completion_whose_commit_answer_was_lost_is_not_counted_stale(queued_r
     from django.db import OperationalError
 
     import dispatch.runtime as runtime
-    from dispatch.models import Counter
+    from jobs.models import Counter
 
     run = queued_run()
     real_succeed = runtime.attempt_succeed

@@ -10,11 +10,19 @@ import threading
 import pytest
 from django.db import connection, transaction
 
-from dispatch.models import Counter, OutboxMessage, OutboxState
 from dispatch.reaper import ReaperConfig, ReaperResult, reaper_run_once
 from dispatch.runtime import LeaseKeeper
 from dispatch.scheduler import SchedulerConfig, scheduler_run_once
-from jobs.models import Attempt, AttemptState, AuditEvent, Run, RunState
+from jobs.models import (
+    Attempt,
+    AttemptState,
+    AuditEvent,
+    Counter,
+    OutboxMessage,
+    OutboxState,
+    Run,
+    RunState,
+)
 from jobs.retry import CAUSE_ERROR
 from jobs.services import attempt_record_failure, run_replay_request
 from jobs.transitions import attempt_renew_lease, attempt_succeed, run_claim

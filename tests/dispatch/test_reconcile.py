@@ -13,7 +13,6 @@ import pytest
 from django.conf import settings
 from kombu import Connection, Queue
 
-from dispatch.models import Counter, OutboxMessage, OutboxState
 from dispatch.reconcile import (
     BrokerQueueDepth,
     ReconcileConfig,
@@ -21,7 +20,16 @@ from dispatch.reconcile import (
     reconcile_run_once,
 )
 from dispatch.scheduler import SchedulerConfig, scheduler_run_once
-from jobs.models import Attempt, AttemptState, AuditEvent, Run, RunState
+from jobs.models import (
+    Attempt,
+    AttemptState,
+    AuditEvent,
+    Counter,
+    OutboxMessage,
+    OutboxState,
+    Run,
+    RunState,
+)
 from jobs.services import run_replay_request
 from jobs.transitions import run_claim
 

@@ -8,10 +8,9 @@ from celery import current_app
 from django.conf import settings
 from kombu import Connection
 
-from dispatch.models import OutboxMessage, OutboxState
 from dispatch.relay import ConfirmingPublisher, RelayConfig, relay_run_once
 from dispatch.scheduler import SchedulerConfig, scheduler_run_once
-from jobs.models import Run
+from jobs.models import OutboxMessage, OutboxState, Run
 from tests.processes import purge_queue
 
 NOW = dt.datetime(2030, 1, 1, tzinfo=dt.UTC)

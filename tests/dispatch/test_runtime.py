@@ -4,10 +4,9 @@ import datetime as dt
 
 import pytest
 
-from dispatch.models import Counter, Effect
 from dispatch.runtime import StaleAttempt, run_execute_delivery
 from dispatch.scheduler import SchedulerConfig, scheduler_run_once
-from jobs.models import Attempt, AttemptState, AuditEvent, Run, RunState
+from jobs.models import Attempt, AttemptState, AuditEvent, Counter, Effect, Run, RunState
 
 NOW = dt.datetime(2030, 1, 1, 12, 0, tzinfo=dt.UTC)
 

@@ -6,8 +6,7 @@ import datetime as dt
 
 from django.contrib.auth import get_user_model
 
-from dispatch.models import Counter
-from jobs.models import Job
+from jobs.models import Counter, Job
 from jobs.services import job_create
 from tests.conftest import job_spec
 

@@ -5,8 +5,7 @@ from __future__ import annotations
 from collections import Counter as Tally
 from collections import defaultdict
 
-from dispatch.models import Counter, Effect
-from jobs.models import Attempt, AttemptState, Run, RunKind, RunState
+from jobs.models import Attempt, AttemptState, Counter, Effect, Run, RunKind, RunState
 from jobs.transitions import TERMINAL_RUN_STATES
 from tests.fault_tasks import EFFECT_COUNTER, effect_labels
 

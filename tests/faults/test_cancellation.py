@@ -3,8 +3,7 @@ with real scheduler, relay and worker processes and the REST API."""
 
 import pytest
 
-from dispatch.models import OutboxMessage
-from jobs.models import AttemptState, Run, RunState
+from jobs.models import AttemptState, OutboxMessage, Run, RunState
 from tests.fault_tasks import EFFECT_COUNTER, effect_labels
 from tests.faults.helpers import counter, one_time_job, owner
 from tests.faults.invariants import invariant_violations

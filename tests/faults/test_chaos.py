@@ -13,8 +13,7 @@ import pytest
 from django.db import connection
 from django.db.models import Count
 
-from dispatch.models import Counter
-from jobs.models import Run, RunState
+from jobs.models import Counter, Run, RunState
 from jobs.transitions import TERMINAL_RUN_STATES
 from tests.faults.helpers import counter, one_time_job
 from tests.faults.invariants import invariant_violations

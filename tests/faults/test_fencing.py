@@ -5,8 +5,7 @@ import signal
 
 import pytest
 
-from dispatch.models import Effect
-from jobs.models import AttemptState, AuditEvent, Run, RunState
+from jobs.models import AttemptState, AuditEvent, Effect, Run, RunState
 from tests.fault_tasks import EFFECT_COUNTER, effect_labels
 from tests.faults.helpers import counter, one_time_job
 from tests.faults.invariants import invariant_violations

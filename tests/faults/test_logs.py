@@ -6,8 +6,7 @@ import time
 
 import pytest
 
-from dispatch.models import Counter
-from jobs.models import AttemptState, Run, RunState
+from jobs.models import AttemptState, Counter, Run, RunState
 from logs_app.models import LogChunk, LogManifest
 from logs_app.store import chunk_lines
 from tests.faults.helpers import one_time_job

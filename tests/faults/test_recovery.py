@@ -5,8 +5,7 @@ import subprocess
 
 import pytest
 
-from dispatch.models import OutboxMessage
-from jobs.models import AttemptState, AuditEvent, FailureReason, Run, RunState
+from jobs.models import AttemptState, AuditEvent, FailureReason, OutboxMessage, Run, RunState
 from tests.faults.helpers import counter, one_time_job
 from tests.faults.invariants import invariant_violations
 from tests.processes import purge_queue, wait_for

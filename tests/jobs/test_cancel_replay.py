@@ -15,10 +15,21 @@ from django.db import connection
 from rest_framework.test import APIClient
 
 from dispatch import NonRetryableError, StaleAttempt
-from dispatch.models import Counter, Effect, OutboxMessage, OutboxState
 from dispatch.runtime import LeaseKeeper, RunContext, run_execute_delivery
 from dispatch.scheduler import SchedulerConfig, scheduler_run_once
-from jobs.models import Attempt, AttemptState, AuditEvent, Job, JobState, Run, RunState
+from jobs.models import (
+    Attempt,
+    AttemptState,
+    AuditEvent,
+    Counter,
+    Effect,
+    Job,
+    JobState,
+    OutboxMessage,
+    OutboxState,
+    Run,
+    RunState,
+)
 from jobs.transitions import attempt_fail, attempt_succeed, run_claim
 from tests.conftest import PINNED_NOW
 

@@ -7,9 +7,17 @@ import datetime as dt
 
 import pytest
 
-from dispatch.models import OutboxMessage
 from jobs.idempotency import IDEMPOTENCY_RETENTION, idempotency_prune
-from jobs.models import AuditEvent, IdempotencyRecord, Job, JobState, JobVersion, Run, RunKind
+from jobs.models import (
+    AuditEvent,
+    IdempotencyRecord,
+    Job,
+    JobState,
+    JobVersion,
+    OutboxMessage,
+    Run,
+    RunKind,
+)
 from jobs.services import BACKFILL_MAX_RUNS
 from tests.jobs.test_api_validation import assert_nothing_created, valid_body
 

@@ -8,7 +8,6 @@ import datetime as dt
 
 import pytest
 
-from dispatch.models import OutboxMessage
 from dispatch.scheduler import (
     OCCURRENCES_PER_JOB_PER_PASS,
     SchedulerConfig,
@@ -16,7 +15,7 @@ from dispatch.scheduler import (
     scheduler_run_once,
     scheduler_sleep_seconds,
 )
-from jobs.models import AttemptState, AuditEvent, Job, JobState, Run, RunState
+from jobs.models import AttemptState, AuditEvent, Job, JobState, OutboxMessage, Run, RunState
 from jobs.services import job_pause, job_resume, job_trigger
 from jobs.transitions import attempt_fail, attempt_succeed, run_claim
 

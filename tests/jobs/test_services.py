@@ -8,8 +8,7 @@ import datetime as dt
 import pytest
 from django.db import IntegrityError, transaction
 
-from dispatch.models import OutboxMessage
-from jobs.models import AuditEvent, Job, JobState, JobVersion, Run, RunKind, RunState
+from jobs.models import AuditEvent, Job, JobState, JobVersion, OutboxMessage, Run, RunKind, RunState
 from jobs.services import (
     backfill_idempotency_key,
     job_backfill,

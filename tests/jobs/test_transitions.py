@@ -8,9 +8,8 @@ import datetime as dt
 import pytest
 from django.db import IntegrityError, transaction
 
-from dispatch.models import OutboxMessage
 from dispatch.scheduler import SchedulerConfig, scheduler_run_once
-from jobs.models import Attempt, AttemptState, Job, Run, RunKind, RunState
+from jobs.models import Attempt, AttemptState, Job, OutboxMessage, Run, RunKind, RunState
 from jobs.transitions import (
     attempt_fail,
     attempt_renew_lease,

@@ -14,9 +14,9 @@ import pytest
 from celery.utils.log import get_task_logger
 from django.db import connection, transaction
 
-from dispatch.clock import db_now
 from dispatch.reaper import ReaperConfig, reaper_run_once
 from dispatch.runtime import run_execute_delivery
+from jobs.clock import db_now
 from jobs.models import Attempt, Run, RunState
 from logs_app import capture as capture_mod
 from logs_app import store

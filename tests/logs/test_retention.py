@@ -9,8 +9,8 @@ import pytest
 from django.core.files.storage import storages
 from django.core.management import call_command
 
-from dispatch.clock import db_now
 from dispatch.reconcile import ReconcileConfig, reconcile_run_once
+from jobs.clock import db_now
 from jobs.models import Attempt
 from logs_app.models import LogChunk, LogManifest
 from logs_app.retention import logs_prune

@@ -1,9 +1,9 @@
 from django.conf import settings
 from django.core.management.base import BaseCommand
 
-from dispatch.clock import db_now
 from dispatch.loop import StopSignal, run_loop
 from dispatch.relay import ConfirmingPublisher, RelayConfig, relay_run_once
+from jobs.clock import db_now
 
 
 class Command(BaseCommand):

@@ -3,11 +3,11 @@ import threading
 from django.conf import settings
 from django.core.management.base import BaseCommand
 
-from dispatch.clock import db_now
 from dispatch.loop import StopSignal, run_loop
 from dispatch.reaper import OutageGrace, ReaperConfig, reaper_run_once
 from dispatch.reconcile import BrokerQueueDepth, ReconcileConfig, reconcile_run_once
 from dispatch.scheduler import SchedulerConfig, scheduler_run_once, scheduler_sleep_seconds
+from jobs.clock import db_now
 
 
 class Command(BaseCommand):

@@ -2,7 +2,7 @@
 
 from django.core.management.base import BaseCommand, CommandError
 
-from dispatch.clock import db_now
+from jobs.clock import db_now
 from logs_app.retention import logs_prune
 
 MAX_BATCHES = 10_000  # a bound, so that a pruner racing endless new expiries still stops

@@ -2,9 +2,7 @@
 
 import datetime as dt
 
-from jobs.models import Run
-
-from .models import OutboxMessage
+from .models import OutboxMessage, Run
 
 
 def outbox_enqueue_runs(*, runs: list[Run], now: dt.datetime) -> list[OutboxMessage]:

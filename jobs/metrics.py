@@ -12,10 +12,18 @@ import re
 from django.db.models import Count, DurationField, ExpressionWrapper, F, Min
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from jobs.models import Attempt, AttemptState, Job, JobState, Run, RunState
-
 from .clock import db_now
-from .models import Counter, OutboxMessage, OutboxState
+from .models import (
+    Attempt,
+    AttemptState,
+    Counter,
+    Job,
+    JobState,
+    OutboxMessage,
+    OutboxState,
+    Run,
+    RunState,
+)
 
 LAG_WINDOW = dt.timedelta(minutes=10)
 LAG_SAMPLE = 10_000
