@@ -25,7 +25,8 @@ from jobs.retry import CAUSE_ERROR, CAUSE_NON_RETRYABLE, CAUSE_TIMEOUT
 from jobs.services import attempt_record_failure, run_record_duplicate_delivery
 from jobs.transitions import attempt_renew_lease, attempt_succeed, run_claim
 from logs_app.capture import LogCapture
-from logs_app.store import logs_discard, logs_prepare, logs_seal, redact
+from logs_app.redaction import redact
+from logs_app.store import logs_discard, logs_prepare, logs_seal
 
 from .errors import NonRetryableError, StaleAttempt
 

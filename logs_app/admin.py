@@ -12,8 +12,8 @@ from django.utils.html import format_html
 from jobs.admin import ReadOnlyAdmin
 from jobs.models import Attempt
 
-from .api import log_lines
 from .models import LogChunk, LogManifest
+from .selectors import log_lines
 
 ADMIN_MAX_LINES = 5000  # a page the browser can hold; the API serves the rest
 

@@ -19,7 +19,7 @@ from dispatch.runtime import run_execute_delivery
 from dispatch.scheduler import SchedulerConfig, scheduler_run_once
 from jobs.models import Attempt, AttemptState, Run, RunState
 from jobs.transitions import attempt_succeed, run_claim
-from logs_app import api as logs_api
+from logs_app import selectors as logs_selectors
 from logs_app.store import Chunk, chunk_ship, logs_prepare, logs_seal
 from tests.conftest import PINNED_NOW
 from tests.threads import in_thread
@@ -83,8 +83,10 @@ def test_ten_thousand_lines_page_by_page_in_order_and_complete(api, queued_run, 
 
     run_execute_delivery(run_id=str(run.id), handler=handler, worker="w", message_id="m")
     chunks_read = []
-    read = logs_api.chunk_lines
-    monkeypatch.setattr(logs_api, "chunk_lines", lambda chunk: chunks_read.append(1) or read(chunk))
+    read = logs_selectors.chunk_lines
+    monkeypatch.setattr(
+        logs_selectors, "chunk_lines", lambda chunk: chunks_read.append(1) or read(chunk)
+    )
 
     seen, pages = [], 0
     url = logs_url(run.id) + "?page_size=700"

@@ -10,7 +10,8 @@ from django.core.files.storage import storages
 from dispatch.runtime import run_execute_delivery
 from jobs.models import Run, RunState
 from logs_app.models import LogChunk, LogManifest
-from logs_app.store import chunk_lines, redact
+from logs_app.redaction import redact
+from logs_app.store import chunk_lines
 from tests.conftest import PINNED_NOW
 
 NOW = PINNED_NOW
