@@ -19,7 +19,6 @@ from django.db import OperationalError, connection, transaction
 from django.db.models import Q
 
 from jobs.models import Attempt, AttemptState
-from jobs.retry import CAUSE_LOST, CAUSE_TIMEOUT
 from jobs.services import attempt_record_failure
 from jobs.transitions import attempt_abandon
 
@@ -85,15 +84,15 @@ def reaper_run_once(*, now: dt.datetime, config: ReaperConfig) -> ReaperResult:
     )
     for attempt in attempts:
         # Past its deadline the attempt timed out, whether or not its worker still lives.
-        cause = (
-            CAUSE_TIMEOUT
+        ended = (
+            AttemptState.TIMED_OUT
             if attempt.deadline_at is not None and attempt.deadline_at <= now
-            else CAUSE_LOST
+            else AttemptState.LOST
         )
         run = attempt.run
         error = (
             f"lease expired at {attempt.lease_expires_at.isoformat()}"
-            if cause == CAUSE_LOST
+            if ended == AttemptState.LOST
             else f"ran past its deadline {attempt.deadline_at.isoformat()}"
         )
         try:
@@ -103,7 +102,7 @@ def reaper_run_once(*, now: dt.datetime, config: ReaperConfig) -> ReaperResult:
                     attempt=attempt,
                     spec=run.job_version.spec,
                     retry_base=run.retry_base,
-                    cause=cause,
+                    ended=ended,
                     error=error,
                     now=now,
                     by="reaper",
@@ -125,10 +124,10 @@ def reaper_run_once(*, now: dt.datetime, config: ReaperConfig) -> ReaperResult:
             "attempt %s of run %s %s; run is now %s",
             attempt.number,
             run.id,
-            "timed out" if cause == CAUSE_TIMEOUT else "lost its lease",
+            "timed out" if ended == AttemptState.TIMED_OUT else "lost its lease",
             outcome,
         )
-        if cause == CAUSE_TIMEOUT:
+        if ended == AttemptState.TIMED_OUT:
             timed_out += 1
         else:
             lost += 1

@@ -28,8 +28,8 @@ from django.db.models.functions import Coalesce
 from jobs.counters import counter_increment
 from jobs.models import Attempt, AttemptState, AuditEvent, OutboxMessage, OutboxState, Run, RunState
 from jobs.outbox import outbox_enqueue_runs
-from jobs.retry import CAUSE_LOST, failure_outcome
-from jobs.transitions import run_end_orphan, run_give_up
+from jobs.retry import retry_decision
+from jobs.transitions import run_count_republish, run_end_orphan, run_give_up
 from logs_app.retention import logs_prune
 
 log = logging.getLogger("dispatch.reconcile")
@@ -138,9 +138,7 @@ def _republish_lost_messages(
                 _record(run, action="run.undeliverable", kind="undeliverable",
                         data={"republished": run.republish_count})  # fmt: skip
             continue
-        if not Run.objects.filter(id=run.id, state=RunState.QUEUED).update(
-            republish_count=F("republish_count") + 1
-        ):
+        if not run_count_republish(run_id=run.id):
             continue
         outbox_enqueue_runs(runs=[run], now=now)
         republished += 1
@@ -167,15 +165,16 @@ def _repair_orphaned_running(*, now: dt.datetime, config: ReconcileConfig) -> in
     )
     repaired = 0
     for run in orphans:
-        delay, reason = failure_outcome(
-            run.job_version.spec,
+        decision = retry_decision(
+            spec=run.job_version.spec,
             attempt_number=run.attempt_count,
             retry_base=run.retry_base,
-            cause=CAUSE_LOST,
+            ended=AttemptState.LOST,
+            now=now,
         )
-        retry_at = now + dt.timedelta(seconds=delay) if delay is not None else None
+        retry_at = decision.retry_at
         if run_end_orphan(run_id=run.id, token=run.fencing_token, now=now, retry_at=retry_at,
-                          reason=reason):  # fmt: skip
+                          reason=decision.failure_reason):  # fmt: skip
             repaired += 1
             _record(run, action="run.orphan_repaired", kind="orphaned_running",
                     data={"fencing_token": run.fencing_token,

@@ -16,10 +16,11 @@ import time
 
 from celery import current_app
 from django.db import transaction
-from django.db.models import F
 from kombu import Connection, Producer
 
-from jobs.models import OutboxMessage, OutboxState, Run
+from jobs.models import OutboxMessage, OutboxState
+from jobs.outbox import outbox_mark_published, outbox_record_failure
+from jobs.transitions import runs_mark_published
 
 from .failpoints import failpoint
 from .loop import BROKER_ERRORS
@@ -172,15 +173,8 @@ def relay_run_once(
             failure = exc
         else:
             failpoint("relay.after_confirm")
-            OutboxMessage.objects.filter(id__in=ids, state=OutboxState.PENDING).update(
-                state=OutboxState.PUBLISHED, published_at=now
-            )
-            Run.objects.filter(
-                id__in=[message.run_id for message in messages], published_at__isnull=True
-            ).update(published_at=now)
+            outbox_mark_published(message_ids=ids, now=now)
+            runs_mark_published(run_ids=[message.run_id for message in messages], now=now)
             return RelayResult(published=len(ids), batch_full=len(ids) >= config.batch_size)
-    # The rows stay pending for the next try; their tries and last error make it visible.
-    OutboxMessage.objects.filter(id__in=ids, state=OutboxState.PENDING).update(
-        publish_tries=F("publish_tries") + 1, last_error=repr(failure)[:2000]
-    )
+    outbox_record_failure(message_ids=ids, error=failure)
     raise failure

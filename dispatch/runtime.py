@@ -21,7 +21,6 @@ from django.db import DatabaseError, InterfaceError, OperationalError, connectio
 from jobs.clock import db_now
 from jobs.counters import counter_increment
 from jobs.models import Attempt, AttemptState, Effect, Run, RunState
-from jobs.retry import CAUSE_ERROR, CAUSE_NON_RETRYABLE, CAUSE_TIMEOUT
 from jobs.services import attempt_record_failure, run_record_duplicate_delivery
 from jobs.transitions import attempt_renew_lease, attempt_succeed, run_claim
 from logs_app.capture import LogCapture
@@ -272,12 +271,10 @@ def _claim(*, run_id: str, worker: str) -> tuple[Run | None, Attempt | None]:
     return _with_database_retries(claim)
 
 
-def _cause(exc: BaseException) -> str:
-    if isinstance(exc, NonRetryableError):
-        return CAUSE_NON_RETRYABLE
-    if isinstance(exc, SoftTimeLimitExceeded):
-        return CAUSE_TIMEOUT
-    return CAUSE_ERROR
+def _ended(exc: BaseException) -> str:
+    """How an attempt whose handler raised `exc` ends: timed out (Celery's soft limit), or
+    failed."""
+    return AttemptState.TIMED_OUT if isinstance(exc, SoftTimeLimitExceeded) else AttemptState.FAILED
 
 
 def _finish_capture(capture: LogCapture, attempt: Attempt) -> dict:
@@ -298,7 +295,7 @@ def _finish_capture(capture: LogCapture, attempt: Attempt) -> dict:
 
 def _failure_writer(*, run: Run, attempt: Attempt, exc: BaseException, worker: str, logs: dict):
     error = redact("".join(traceback.format_exception(exc))[-8000:].replace("\x00", ""))
-    cause = _cause(exc)
+    ended = _ended(exc)
 
     def write() -> str | None:
         with transaction.atomic():
@@ -307,10 +304,11 @@ def _failure_writer(*, run: Run, attempt: Attempt, exc: BaseException, worker: s
                 attempt=attempt,
                 spec=run.job_version.spec,
                 retry_base=run.retry_base,
-                cause=cause,
+                ended=ended,
                 error=error,
                 now=now,
                 by=f"worker:{worker}",
+                retryable=not isinstance(exc, NonRetryableError),
             )
             if outcome is not None:
                 logs_seal(attempt=attempt, now=now, **logs)

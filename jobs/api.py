@@ -28,8 +28,6 @@ from .idempotency import (
 from .models import AuditEvent, JobState, RunKind, RunState
 from .selectors import job_get, job_history, job_list, run_get, run_list
 from .services import (
-    BackfillTooLarge,
-    backfill_occurrences,
     job_backfill,
     job_cancel,
     job_create,
@@ -492,8 +490,8 @@ class JobBackfillApi(APIView):
             window = BackfillSerializer(data=request.data, context={"now": now})
             window.is_valid(raise_exception=True)
             try:
-                instants = backfill_occurrences(job=job, **window.validated_data)
-            except BackfillTooLarge as exc:
+                instants = schedules.backfill_occurrences(job=job, **window.validated_data)
+            except schedules.BackfillTooLarge as exc:
                 raise serializers.ValidationError(
                     {"end": [f"{exc}; backfill a shorter range."]}
                 ) from exc
@@ -571,25 +569,6 @@ class PreviewOutput(serializers.Serializer):
     occurrences = OccurrenceOutput(many=True)
 
 
-def schedule_preview(*, schedule: dict, dst: dict, after: dt.datetime, count: int) -> list[dict]:
-    """The next `count` fire instants after `after`; an interval counts from `after`."""
-    found = []
-    for occurrence in schedules.occurrences(schedule, after=after, dst=dst, anchor=after):
-        found.append(occurrence)
-        if len(found) > count:  # one more, to tell whether the last is doubled
-            break
-    walls = [occ.local.replace(tzinfo=None) for occ in found]
-    return [
-        {
-            "at": occ.at,
-            "local": occ.local.isoformat(),
-            "dst": occ.dst,
-            "doubled": walls.count(walls[index]) > 1 and occ.dst.startswith("fold"),
-        }
-        for index, occ in enumerate(found[:count])
-    ]
-
-
 class SchedulePreviewApi(APIView):
     @extend_schema(
         request=PreviewSerializer,
@@ -617,7 +596,7 @@ class SchedulePreviewApi(APIView):
         data = preview.validated_data
         after = dt.datetime.fromisoformat(data["after"]) if data.get("after") else db_now()
         try:
-            found = schedule_preview(
+            found = schedules.schedule_preview(
                 schedule=data["schedule"], dst=data["dst"], after=after, count=data["count"]
             )
         except schedules.ScheduleError as exc:

@@ -2,7 +2,9 @@
 
 import datetime as dt
 
-from .models import OutboxMessage, Run
+from django.db.models import F
+
+from .models import OutboxMessage, OutboxState, Run
 
 
 def outbox_enqueue_runs(*, runs: list[Run], now: dt.datetime) -> list[OutboxMessage]:
@@ -19,3 +21,26 @@ def outbox_enqueue_runs(*, runs: list[Run], now: dt.datetime) -> list[OutboxMess
         for run in runs
     ]
     return OutboxMessage.objects.bulk_create(messages)
+
+
+def outbox_discard_pending(*, run_id) -> int:
+    """Delete a cancelled run's pending rows that no relay holds, so they are never sent;
+    one a relay is publishing right now is sent, and the worker refuses to claim it."""
+    unsent = OutboxMessage.objects.select_for_update(skip_locked=True).filter(
+        run_id=run_id, state=OutboxState.PENDING
+    )
+    return OutboxMessage.objects.filter(id__in=[m.id for m in unsent]).delete()[0]
+
+
+def outbox_mark_published(*, message_ids: list, now: dt.datetime) -> int:
+    """The broker confirmed these rows: they are done."""
+    return OutboxMessage.objects.filter(id__in=message_ids, state=OutboxState.PENDING).update(
+        state=OutboxState.PUBLISHED, published_at=now
+    )
+
+
+def outbox_record_failure(*, message_ids: list, error: BaseException) -> int:
+    """These rows stay pending for the next try; their tries and last error make it visible."""
+    return OutboxMessage.objects.filter(id__in=message_ids, state=OutboxState.PENDING).update(
+        publish_tries=F("publish_tries") + 1, last_error=repr(error)[:2000]
+    )

@@ -1,6 +1,11 @@
-"""Retry policy: exponential backoff with a cap and optional full jitter."""
+"""Retry policy: exponential backoff with a cap and optional full jitter, and the decision
+to retry or fail a run whose attempt did not succeed."""
 
+import dataclasses
+import datetime as dt
 import random
+
+from .models import AttemptState, FailureReason
 
 DEFAULT_RETRY = {
     "max_attempts": 3,
@@ -31,27 +36,45 @@ def retries_left(policy: dict, *, attempt_number: int) -> bool:
     return attempt_number < int({**DEFAULT_RETRY, **policy}["max_attempts"])
 
 
-# Why an attempt ended without success.
-CAUSE_ERROR = "error"  # the handler raised
-CAUSE_NON_RETRYABLE = "non_retryable"  # the handler raised NonRetryableError
-CAUSE_TIMEOUT = "timeout"  # it ran past timeout_seconds
-CAUSE_LOST = "lost"  # its lease expired: the worker vanished
+@dataclasses.dataclass(frozen=True)
+class RetryDecision:
+    retry_at: dt.datetime | None  # when the run's next attempt is due; None: the run fails
+    failure_reason: str  # the run's failure_reason when it fails, else ""
 
 
-def failure_outcome(
-    spec: dict, *, attempt_number: int, retry_base: int, cause: str
-) -> tuple[float | None, str]:
-    """(seconds until the retry, "") when the run retries, else (None, failure_reason).
+# How an attempt that ran out of retries ended -> its run's failure_reason.
+_EXHAUSTED_BY = {
+    AttemptState.FAILED: FailureReason.EXHAUSTED,
+    AttemptState.TIMED_OUT: FailureReason.TIMEOUT,
+    AttemptState.LOST: FailureReason.LOST,
+}
 
+
+def retry_decision(
+    *,
+    spec: dict,
+    attempt_number: int,
+    retry_base: int,
+    ended: str,
+    retryable: bool = True,
+    now: dt.datetime,
+) -> RetryDecision:
+    """Retry or fail, for a run whose attempt `attempt_number` ended without success: the one
+    place that decides it, whoever ended the attempt (its worker, the reaper, reconciliation).
+
+    `ended` is how the attempt ended (`AttemptState.FAILED`: the handler raised;
+    `TIMED_OUT`; `LOST`: its lease expired); `retryable=False` for NonRetryableError.
     `retry_base` is the attempt count at the latest operator replay, which grants a fresh
     budget. With `delivery: at_most_once`, an attempt interrupted after it started (lost or
     timed out) has an unknown outcome and is never retried automatically.
     """
-    if cause == CAUSE_NON_RETRYABLE:
-        return None, "error"
-    if spec.get("delivery") == "at_most_once" and cause in (CAUSE_LOST, CAUSE_TIMEOUT):
-        return None, "outcome_unknown"
+    if not retryable:
+        return RetryDecision(None, FailureReason.ERROR)
+    interrupted = ended in (AttemptState.LOST, AttemptState.TIMED_OUT)
+    if spec.get("delivery") == "at_most_once" and interrupted:
+        return RetryDecision(None, FailureReason.OUTCOME_UNKNOWN)
     budget_used = attempt_number - retry_base
     if retries_left(spec["retry"], attempt_number=budget_used):
-        return retry_delay_seconds(spec["retry"], attempt_number=budget_used), ""
-    return None, {CAUSE_ERROR: "exhausted", CAUSE_TIMEOUT: "timeout", CAUSE_LOST: "lost"}[cause]
+        delay = retry_delay_seconds(spec["retry"], attempt_number=budget_used)
+        return RetryDecision(now + dt.timedelta(seconds=delay), "")
+    return RetryDecision(None, _EXHAUSTED_BY[ended])

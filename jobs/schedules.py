@@ -1,4 +1,5 @@
-"""When a schedule fires: pure functions of the schedule, the DST policy and an instant.
+"""When a schedule fires: pure functions of the schedule, the DST policy and an instant;
+and when a job fires: its schedule within its start_at and end_at.
 
 Cron expressions are evaluated in local wall-clock time (croniter on naive datetimes) and
 each wall time is mapped to instants by the job's DST policy, so croniter's own behaviour
@@ -12,8 +13,12 @@ import datetime as dt
 import zoneinfo
 from collections.abc import Iterator
 from functools import lru_cache
+from typing import TYPE_CHECKING
 
 from croniter import CroniterBadDateError, croniter
+
+if TYPE_CHECKING:
+    from .models import Job
 
 UTC = dt.UTC
 CRON_ALIASES = {
@@ -260,3 +265,104 @@ def shortest_gap(
             break
         previous = occurrence.at
     return None
+
+
+def schedule_preview(*, schedule: dict, dst: dict, after: dt.datetime, count: int) -> list[dict]:
+    """The next `count` fire instants after `after`; an interval counts from `after`."""
+    found = []
+    for occurrence in occurrences(schedule, after=after, dst=dst, anchor=after):
+        found.append(occurrence)
+        if len(found) > count:  # one more, to tell whether the last is doubled
+            break
+    walls = [occ.local.replace(tzinfo=None) for occ in found]
+    return [
+        {
+            "at": occ.at,
+            "local": occ.local.isoformat(),
+            "dst": occ.dst,
+            "doubled": walls.count(walls[index]) > 1 and occ.dst.startswith("fold"),
+        }
+        for index, occ in enumerate(found[:count])
+    ]
+
+
+# -- a job's fires: its schedule within start_at / end_at --------------------------------
+# A backfill creates at most this many runs; a larger range is refused with 400.
+BACKFILL_MAX_RUNS = 1000
+
+
+def _anchor(spec: dict, created_at: dt.datetime) -> dt.datetime:
+    start_at = spec.get("start_at")
+    return dt.datetime.fromisoformat(start_at) if start_at else created_at
+
+
+def job_next_fire(*, spec: dict, created_at: dt.datetime, after: dt.datetime) -> dt.datetime | None:
+    """The occurrence after `after`, within start_at/end_at; None when the schedule is over."""
+    anchor = _anchor(spec, created_at)
+    start_at = spec.get("start_at")
+    if start_at and after < anchor:
+        after = anchor - dt.timedelta(microseconds=1)
+    instant = next_fire(spec["schedule"], after=after, dst=spec.get("dst"), anchor=anchor)
+    return _within_end(spec, instant)
+
+
+def _within_end(spec: dict, instant: dt.datetime | None) -> dt.datetime | None:
+    end_at = spec.get("end_at")
+    if instant is not None and end_at and instant > dt.datetime.fromisoformat(end_at):
+        return None
+    return instant
+
+
+def job_first_fire(*, spec: dict, now: dt.datetime) -> dt.datetime | None:
+    """A new job's first occurrence: at or after now (and start_at, inclusive); a one-time
+    job whose run_at has passed fires at once. None when it would never fire."""
+    if spec["schedule"]["kind"] == "once":
+        return _within_end(spec, schedule_run_at(spec["schedule"]))
+    return job_next_fire(spec=spec, created_at=now, after=now - dt.timedelta(microseconds=1))
+
+
+def job_resume_point(
+    *, spec: dict, created_at: dt.datetime, now: dt.datetime, since: dt.datetime | None = None
+) -> dt.datetime | None:
+    """The next occurrence of an edited schedule, on the job's own grid (an interval keeps
+    counting from start_at or the job's creation): at or after `since` when given (the
+    job's old next_run_at, already due: the occurrences missed since then meet the misfire
+    policy rather than vanish), else at or after now."""
+    if spec["schedule"]["kind"] == "once":
+        return job_first_fire(spec=spec, now=now)
+    after = min(since, now) if since is not None else now
+    return job_next_fire(
+        spec=spec, created_at=created_at, after=after - dt.timedelta(microseconds=1)
+    )
+
+
+class BackfillTooLarge(ValueError):
+    """A backfill range holding more occurrences than one request may create."""
+
+
+def backfill_occurrences(
+    *, job: Job, start: dt.datetime, end: dt.datetime, limit: int = BACKFILL_MAX_RUNS
+) -> list[dt.datetime]:
+    """The job's occurrences in [start, end), by its current schedule and DST policy
+    (start_at/end_at do not bound an explicit backfill; an interval's grid extends before
+    its anchor). BackfillTooLarge past `limit`; ScheduleError when the schedule cannot be
+    evaluated in the range (e.g. at the edge of the calendar)."""
+    anchor = _anchor(job.spec, job.created_at)
+    try:
+        after = start - dt.timedelta(microseconds=1)
+        if job.spec["schedule"]["kind"] == "interval" and start < anchor:
+            # The same grid, anchor + k * every, counted from a point at or before start.
+            every = dt.timedelta(seconds=job.spec["schedule"]["every_seconds"])
+            anchor -= -((start - anchor) // every) * every
+    except OverflowError as exc:
+        raise ScheduleError("the start is out of the supported range") from exc
+    found = []
+    for occurrence in occurrences(
+        job.spec["schedule"], after=after, dst=job.spec.get("dst"), anchor=anchor
+    ):
+        if occurrence.at >= end:
+            break
+        if len(found) == limit:
+            raise BackfillTooLarge(f"the range holds more than {limit} occurrences")
+        found.append(occurrence.at)
+    return found

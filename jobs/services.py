@@ -4,71 +4,34 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
-import uuid
 
 from django.contrib.auth.models import AbstractBaseUser
 from django.db import transaction
-from django.db.models import F, Max, Q
+from django.db.models import Max, Q
 
-from . import schedules
+from . import keys
+from .audit import audit_record
 from .counters import counter_increment
-from .models import (
-    AttemptState,
-    AuditEvent,
-    Job,
-    JobState,
-    JobVersion,
-    OutboxMessage,
-    OutboxState,
-    Run,
-    RunKind,
-    RunState,
-)
-from .outbox import outbox_enqueue_runs
-from .retry import CAUSE_LOST, CAUSE_TIMEOUT, failure_outcome
+from .models import AttemptState, Job, JobState, JobVersion, Run, RunKind, RunState
+from .outbox import outbox_discard_pending, outbox_enqueue_runs
+from .retry import retry_decision
+from .schedules import job_first_fire, job_next_fire, job_resume_point
 from .transitions import (
     ACTIVE_RUN_STATES,
+    LIVE_JOB_STATES,
     attempt_fail,
+    job_mark_deleted,
+    job_replace_spec,
+    job_to_active,
+    job_to_cancelled,
+    job_to_paused,
     run_cancel,
+    run_count_duplicate_delivery,
     run_replay,
 )
 
-# Job states in which its spec may change and operators may act on it.
-LIVE_JOB_STATES = (JobState.ACTIVE, JobState.PAUSED)
-# A backfill creates at most this many runs; a larger range is refused with 400.
-BACKFILL_MAX_RUNS = 1000
 # Spec fields whose change moves the next occurrence.
 SCHEDULE_FIELDS = ("schedule", "dst", "start_at", "end_at")
-
-
-def _anchor(spec: dict, created_at: dt.datetime) -> dt.datetime:
-    start_at = spec.get("start_at")
-    return dt.datetime.fromisoformat(start_at) if start_at else created_at
-
-
-def job_next_fire(*, spec: dict, created_at: dt.datetime, after: dt.datetime) -> dt.datetime | None:
-    """The occurrence after `after`, within start_at/end_at; None when the schedule is over."""
-    anchor = _anchor(spec, created_at)
-    start_at = spec.get("start_at")
-    if start_at and after < anchor:
-        after = anchor - dt.timedelta(microseconds=1)
-    instant = schedules.next_fire(spec["schedule"], after=after, dst=spec.get("dst"), anchor=anchor)
-    return _within_end(spec, instant)
-
-
-def _within_end(spec: dict, instant: dt.datetime | None) -> dt.datetime | None:
-    end_at = spec.get("end_at")
-    if instant is not None and end_at and instant > dt.datetime.fromisoformat(end_at):
-        return None
-    return instant
-
-
-def job_first_fire(*, spec: dict, now: dt.datetime) -> dt.datetime | None:
-    """A new job's first occurrence: at or after now (and start_at, inclusive); a one-time
-    job whose run_at has passed fires at once. None when it would never fire."""
-    if spec["schedule"]["kind"] == "once":
-        return _within_end(spec, schedules.schedule_run_at(spec["schedule"]))
-    return job_next_fire(spec=spec, created_at=now, after=now - dt.timedelta(microseconds=1))
 
 
 def job_create(*, owner: AbstractBaseUser, spec: dict, now: dt.datetime) -> Job:
@@ -87,34 +50,17 @@ def job_create(*, owner: AbstractBaseUser, spec: dict, now: dt.datetime) -> Job:
             created_at=now,
         )
         JobVersion.objects.create(job=job, version=job.version, spec=spec, created_by=owner)
-        AuditEvent.objects.create(
-            actor=owner,
-            actor_label=f"user:{owner.get_username()}",
-            action="job.created",
-            job=job,
-            data={"version": job.version},
-        )
+        audit_record(action="job.created", actor=owner, job_id=job.id, data={"version": 1})
     return job
 
 
 def run_record_duplicate_delivery(*, run_id, worker: str, message_id: str) -> None:
     """A delivery refused because its run was already claimed or finished: make it visible."""
     with transaction.atomic():
-        found = Run.objects.filter(id=run_id).update(
-            duplicate_deliveries=F("duplicate_deliveries") + 1
-        )
-        if found:
-            AuditEvent.objects.create(
-                actor_label=f"system:worker:{worker}"[:200],
-                action="run.duplicate_delivery_refused",
-                run_id=run_id,
-                data={"message_id": message_id},
-            )
+        if run_count_duplicate_delivery(run_id=run_id):
+            audit_record(action="run.duplicate_delivery_refused", by=f"worker:{worker}",
+                         run_id=run_id, data={"message_id": message_id})  # fmt: skip
         counter_increment("scheduler_duplicate_deliveries_total")
-
-
-def actor_label(user: AbstractBaseUser) -> str:
-    return f"user:{user.get_username()}"
 
 
 def attempt_record_failure(
@@ -122,53 +68,47 @@ def attempt_record_failure(
     attempt,
     spec: dict,
     retry_base: int,
-    cause: str,
+    ended: str,
     error: str,
     now: dt.datetime,
     by: str,
+    retryable: bool = True,
     only_if: Q | None = None,
 ) -> str | None:
-    """End a running attempt that did not succeed, and retry or fail its run per the policy.
+    """End a running attempt that did not succeed (`ended`: AttemptState.FAILED, TIMED_OUT
+    or LOST), and retry or fail its run by `jobs.retry.retry_decision`.
 
     Returns the run's new state, or None when the attempt no longer held the current token
     (a stale outcome: nothing changed). `by` names the component, for the run's history.
     """
-    delay, reason = failure_outcome(
-        spec, attempt_number=attempt.number, retry_base=retry_base, cause=cause
-    )
-    attempt_to = {CAUSE_LOST: AttemptState.LOST, CAUSE_TIMEOUT: AttemptState.TIMED_OUT}.get(
-        cause, AttemptState.FAILED
-    )
-    retry_at = now + dt.timedelta(seconds=delay) if delay is not None else None
+    decision = retry_decision(spec=spec, attempt_number=attempt.number, retry_base=retry_base,
+                              ended=ended, retryable=retryable, now=now)  # fmt: skip
     with transaction.atomic():
         won = attempt_fail(
             attempt=attempt,
             now=now,
             error=error,
-            retry_at=retry_at,
-            reason=reason or "exhausted",
-            attempt_to=attempt_to,
+            retry_at=decision.retry_at,
+            reason=decision.failure_reason,
+            attempt_to=ended,
             only_if=only_if,
         )
         if not won:
             return None
-        if attempt_to != AttemptState.FAILED:
+        if ended != AttemptState.FAILED:
             # A lost or timed-out attempt is not the handler's own report: keep it visible.
-            AuditEvent.objects.create(
-                actor_label=f"system:{by}"[:200],
-                action=f"attempt.{attempt_to}",
-                run_id=attempt.run_id,
-                data={"attempt": attempt.number, "fencing_token": attempt.fencing_token,
-                      "retry_at": retry_at.isoformat() if retry_at else None,
-                      "failure_reason": reason},
-            )  # fmt: skip
-        if attempt_to == AttemptState.LOST:
+            retry_at = decision.retry_at
+            audit_record(action=f"attempt.{ended}", by=by, run_id=attempt.run_id,
+                         data={"attempt": attempt.number, "fencing_token": attempt.fencing_token,
+                               "retry_at": retry_at.isoformat() if retry_at else None,
+                               "failure_reason": decision.failure_reason})  # fmt: skip
+        if ended == AttemptState.LOST:
             counter_increment("scheduler_lease_expired_total")
-        if retry_at is None:
+        if decision.retry_at is None:
             # After the commit, in its own transaction: pausing locks the job row, and doing
             # it here (attempt and run locked) would invert the scheduler's job-then-run order.
             transaction.on_commit(lambda: _pause_job_of_run_if_failing(attempt.run_id, now))
-    return "retry_wait" if retry_at else "failed"
+    return RunState.RETRY_WAIT if decision.retry_at else RunState.FAILED
 
 
 def _pause_job_of_run_if_failing(run_id, now: dt.datetime) -> None:
@@ -178,26 +118,14 @@ def _pause_job_of_run_if_failing(run_id, now: dt.datetime) -> None:
 
 
 def run_cancel_request(*, run: Run, actor: AbstractBaseUser | None, now: dt.datetime) -> bool:
-    """Cancel one run; False (nothing changed) when it is already terminal.
-
-    A pending outbox row that no relay holds is deleted, so the message is never sent; one
-    a relay is publishing right now is sent, and the worker refuses to claim it.
-    """
+    """Cancel one run (its pending outbox rows too); False (nothing changed) when it is
+    already terminal."""
     with transaction.atomic():
         if not run_cancel(run_id=run.id, now=now):
             return False
-        unsent = OutboxMessage.objects.select_for_update(skip_locked=True).filter(
-            run_id=run.id, state=OutboxState.PENDING
-        )
-        OutboxMessage.objects.filter(id__in=[m.id for m in unsent]).delete()
-        AuditEvent.objects.create(
-            actor=actor,
-            actor_label=actor_label(actor) if actor else "system:scheduler",
-            action="run.cancelled",
-            job_id=run.job_id,
-            run=run,
-            data={"from_state": run.state},
-        )
+        outbox_discard_pending(run_id=run.id)
+        audit_record(action="run.cancelled", actor=actor, job_id=run.job_id, run_id=run.id,
+                     data={"from_state": run.state})  # fmt: skip
     return True
 
 
@@ -208,15 +136,9 @@ def run_replay_request(*, run: Run, actor: AbstractBaseUser, now: dt.datetime) -
         if not run_replay(run_id=run.id):
             return False
         outbox_enqueue_runs(runs=[run], now=now)
-        AuditEvent.objects.create(
-            actor=actor,
-            actor_label=actor_label(actor),
-            action="run.replayed",
-            job_id=run.job_id,
-            run=run,
-            data={"from_state": run.state, "failure_reason": run.failure_reason,
-                  "attempts_before": run.attempt_count},
-        )  # fmt: skip
+        audit_record(action="run.replayed", actor=actor, job_id=run.job_id, run_id=run.id,
+                     data={"from_state": run.state, "failure_reason": run.failure_reason,
+                           "attempts_before": run.attempt_count})  # fmt: skip
     return True
 
 
@@ -224,48 +146,13 @@ def job_cancel(*, job: Job, actor: AbstractBaseUser, now: dt.datetime) -> bool:
     """active/paused -> cancelled: no more runs; every run still active is cancelled too.
     False when the job is already cancelled or completed."""
     with transaction.atomic():
-        moved = Job.objects.filter(id=job.id, state__in=[JobState.ACTIVE, JobState.PAUSED]).update(
-            state=JobState.CANCELLED, next_run_at=None, updated_at=now
-        )
-        if not moved:
+        if not job_to_cancelled(job_id=job.id, now=now):
             return False
-        AuditEvent.objects.create(
-            actor=actor,
-            actor_label=actor_label(actor),
-            action="job.cancelled",
-            job=job,
-            data={"from_state": job.state},
-        )
+        audit_record(action="job.cancelled", actor=actor, job_id=job.id,
+                     data={"from_state": job.state})  # fmt: skip
         for run in Run.objects.filter(job=job, state__in=ACTIVE_RUN_STATES):
             run_cancel_request(run=run, actor=actor, now=now)
     return True
-
-
-def _audit(
-    *, job: Job, actor: AbstractBaseUser | None, action: str, data: dict, by: str = "scheduler"
-):
-    return AuditEvent.objects.create(
-        actor=actor,
-        actor_label=actor_label(actor) if actor else f"system:{by}",
-        action=action,
-        job=job,
-        data=data,
-    )
-
-
-def job_resume_point(
-    *, spec: dict, created_at: dt.datetime, now: dt.datetime, since: dt.datetime | None = None
-) -> dt.datetime | None:
-    """The next occurrence of an edited schedule, on the job's own grid (an interval keeps
-    counting from start_at or the job's creation): at or after `since` when given (the
-    job's old next_run_at, already due: the occurrences missed since then meet the misfire
-    policy rather than vanish), else at or after now."""
-    if spec["schedule"]["kind"] == "once":
-        return job_first_fire(spec=spec, now=now)
-    after = min(since, now) if since is not None else now
-    return job_next_fire(
-        spec=spec, created_at=created_at, after=after - dt.timedelta(microseconds=1)
-    )
 
 
 def job_update(
@@ -299,20 +186,14 @@ def job_update(
             spec=spec, created_at=job.created_at, now=now, since=job.next_run_at
         )
     with transaction.atomic():
-        won = Job.objects.filter(
-            id=job.id, version=expected_version, state__in=LIVE_JOB_STATES, deleted_at=None
-        ).update(**fields)
-        if not won:
+        if not job_replace_spec(job_id=job.id, expected_version=expected_version, fields=fields):
             return False
         JobVersion.objects.create(
             job=job, version=expected_version + 1, spec=spec, created_by=actor
         )
-        _audit(
-            job=job,
-            actor=actor,
-            action="job.updated",
-            data={"version": expected_version + 1, "changed": [c["field"] for c in changed]},
-        )
+        audit_record(action="job.updated", actor=actor, job_id=job.id,
+                     data={"version": expected_version + 1,
+                           "changed": [c["field"] for c in changed]})  # fmt: skip
     return True
 
 
@@ -330,26 +211,16 @@ def spec_diff(before: dict, after: dict) -> list[dict]:
     return changes
 
 
-def _job_move(*, job: Job, to: str, from_states, only_if: Q | None = None, **fields) -> bool:
-    """One conditional UPDATE of a job's state; whether it won."""
-    return bool(
-        Job.objects.filter(
-            only_if or Q(), id=job.id, state__in=list(from_states), deleted_at=None
-        ).update(state=to, **fields)
-    )
-
-
 def job_pause(
     *, job: Job, actor: AbstractBaseUser | None, now: dt.datetime, reason: str = ""
 ) -> bool:
     """active -> paused: no new occurrence is materialized; runs already created go on.
     False when the job is not active."""
     with transaction.atomic():
-        if not _job_move(
-            job=job, to=JobState.PAUSED, from_states=[JobState.ACTIVE], updated_at=now
-        ):
+        if not job_to_paused(job_id=job.id, now=now):
             return False
-        _audit(job=job, actor=actor, action="job.paused", data={"reason": reason} if reason else {})
+        audit_record(action="job.paused", actor=actor, job_id=job.id,
+                     data={"reason": reason} if reason else {})  # fmt: skip
     return True
 
 
@@ -375,20 +246,12 @@ def job_resume(*, job: Job, actor: AbstractBaseUser, now: dt.datetime) -> bool:
     # With a recomputed next_run_at, only over the spec it was computed from.
     same_spec = Q(version=job.version, next_run_at=None) if fields else None
     with transaction.atomic():
-        if not _job_move(
-            job=job,
-            to=JobState.ACTIVE,
-            from_states=[JobState.PAUSED],
-            only_if=same_spec,
-            updated_at=now,
-            resumed_at=now,
-            **fields,
-        ):
+        if not job_to_active(job_id=job.id, now=now, only_if=same_spec, **fields):
             fresh = Job.objects.filter(id=job.id, state=JobState.PAUSED, deleted_at=None).first()
             if fields and fresh is not None:  # edited meanwhile: again, on the new spec
                 return job_resume(job=fresh, actor=actor, now=now)
             return False
-        _audit(job=job, actor=actor, action="job.resumed", data={})
+        audit_record(action="job.resumed", actor=actor, job_id=job.id)
     return True
 
 
@@ -397,9 +260,9 @@ def job_delete(*, job: Job, actor: AbstractBaseUser, now: dt.datetime) -> bool:
     Versions, runs and the audit trail stay. False when it was already deleted."""
     with transaction.atomic():
         job_cancel(job=job, actor=actor, now=now)
-        if not Job.objects.filter(id=job.id, deleted_at=None).update(deleted_at=now):
+        if not job_mark_deleted(job_id=job.id, now=now):
             return False
-        _audit(job=job, actor=actor, action="job.deleted", data={})
+        audit_record(action="job.deleted", actor=actor, job_id=job.id)
     return True
 
 
@@ -435,54 +298,12 @@ def job_trigger(*, job: Job, actor: AbstractBaseUser, now: dt.datetime) -> Run |
             scheduled_for=now,
             due_at=now,
             created_at=now,
-            idempotency_key=f"{job.id}:manual:{uuid.uuid4().hex}",
+            idempotency_key=keys.manual_key(job.id),
         )
         outbox_enqueue_runs(runs=[run], now=now)
-        AuditEvent.objects.create(
-            actor=actor,
-            actor_label=actor_label(actor),
-            action="job.triggered",
-            job=locked,
-            run=run,
-            data={"version": locked.version},
-        )
+        audit_record(action="job.triggered", actor=actor, job_id=job.id, run_id=run.id,
+                     data={"version": locked.version})  # fmt: skip
     return run
-
-
-class BackfillTooLarge(ValueError):
-    """A backfill range holding more occurrences than one request may create."""
-
-
-def backfill_occurrences(
-    *, job: Job, start: dt.datetime, end: dt.datetime, limit: int = BACKFILL_MAX_RUNS
-) -> list[dt.datetime]:
-    """The job's occurrences in [start, end), by its current schedule and DST policy
-    (start_at/end_at do not bound an explicit backfill; an interval's grid extends before
-    its anchor). BackfillTooLarge past `limit`; ScheduleError when the schedule cannot be
-    evaluated in the range (e.g. at the edge of the calendar)."""
-    anchor = _anchor(job.spec, job.created_at)
-    try:
-        after = start - dt.timedelta(microseconds=1)
-        if job.spec["schedule"]["kind"] == "interval" and start < anchor:
-            # The same grid, anchor + k * every, counted from a point at or before start.
-            every = dt.timedelta(seconds=job.spec["schedule"]["every_seconds"])
-            anchor -= -((start - anchor) // every) * every
-    except OverflowError as exc:
-        raise schedules.ScheduleError("the start is out of the supported range") from exc
-    found = []
-    for occurrence in schedules.occurrences(
-        job.spec["schedule"], after=after, dst=job.spec.get("dst"), anchor=anchor
-    ):
-        if occurrence.at >= end:
-            break
-        if len(found) == limit:
-            raise BackfillTooLarge(f"the range holds more than {limit} occurrences")
-        found.append(occurrence.at)
-    return found
-
-
-def backfill_idempotency_key(job_id, scheduled_for: dt.datetime) -> str:
-    return f"{job_id}:backfill:{scheduled_for.astimezone(dt.UTC):%Y%m%dT%H%M%S.%fZ}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -515,18 +336,17 @@ def job_backfill(
                 scheduled_for=at,
                 due_at=now,
                 created_at=now,
-                idempotency_key=backfill_idempotency_key(job.id, at),
+                idempotency_key=keys.backfill_key(job.id, at),
             )
             for at in instants
             if at not in have
         ]
         Run.objects.bulk_create(created)
         outbox_enqueue_runs(runs=created, now=now)
-        AuditEvent.objects.create(
-            actor=actor,
-            actor_label=actor_label(actor),
+        audit_record(
             action="job.backfilled",
-            job=locked,
+            actor=actor,
+            job_id=job.id,
             data={
                 "start": instants[0].isoformat() if instants else None,
                 "end": instants[-1].isoformat() if instants else None,

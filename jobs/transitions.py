@@ -1,7 +1,9 @@
-"""Every state transition of runs and attempts: one conditional UPDATE each.
+"""Every state transition of jobs, runs and attempts: one conditional UPDATE each.
 
 Each function returns whether it won. A transition whose row is no longer in a state it may
 leave, or whose fencing token is no longer current, changes nothing and returns False.
+The bookkeeping fields of a run that other components count on (published, republished,
+duplicate deliveries) are written here too, each by one conditional UPDATE.
 """
 
 from __future__ import annotations
@@ -14,9 +16,72 @@ from django.db import connection, transaction
 from django.db.models import F, Q
 from django.db.models.functions import Now
 
-from .models import Attempt, AttemptState, FailureReason, Run, RunState
+from .models import Attempt, AttemptState, FailureReason, Job, JobState, Run, RunState
 
-# to-state -> the states a run may enter it from.
+# -- jobs -------------------------------------------------------------------------------
+# to-state -> the states a job may enter it from.
+JOB_TRANSITIONS: dict[str, frozenset[str]] = {
+    JobState.PAUSED: frozenset({JobState.ACTIVE}),
+    JobState.ACTIVE: frozenset({JobState.PAUSED}),
+    JobState.CANCELLED: frozenset({JobState.ACTIVE, JobState.PAUSED}),
+    # A job whose schedule is over, once none of its runs is active (the completer).
+    JobState.COMPLETED: frozenset({JobState.ACTIVE}),
+}
+# Job states in which its spec may change and operators may act on it.
+LIVE_JOB_STATES = (JobState.ACTIVE, JobState.PAUSED)
+
+
+def _move_jobs(job_ids: Iterable, to: str, *, only_if: Q | None = None, **fields) -> int:
+    """Move the jobs that may enter `to` (and match `only_if`); a deleted job never moves,
+    except to cancelled (a delete cancels its job first)."""
+    rows = Job.objects.filter(id__in=list(job_ids), state__in=JOB_TRANSITIONS[to])
+    if to != JobState.CANCELLED:
+        rows = rows.filter(deleted_at=None)
+    if only_if is not None:
+        rows = rows.filter(only_if)
+    return rows.update(state=to, **fields)
+
+
+def job_to_paused(*, job_id, now: dt.datetime) -> bool:
+    """active -> paused: no new occurrence is materialized; runs already created go on."""
+    return bool(_move_jobs([job_id], JobState.PAUSED, updated_at=now))
+
+
+def job_to_active(*, job_id, now: dt.datetime, only_if: Q | None = None, **fields) -> bool:
+    """paused -> active (a resume), with the fields it recomputed, only while `only_if`."""
+    moved = _move_jobs(
+        [job_id], JobState.ACTIVE, only_if=only_if, updated_at=now, resumed_at=now, **fields
+    )
+    return bool(moved)
+
+
+def job_to_cancelled(*, job_id, now: dt.datetime) -> bool:
+    """active/paused -> cancelled, for good: no more occurrences."""
+    return bool(_move_jobs([job_id], JobState.CANCELLED, next_run_at=None, updated_at=now))
+
+
+def jobs_to_completed(*, job_ids: list, now: dt.datetime) -> int:
+    """active -> completed, for jobs whose schedule is over (the caller checked that none
+    of their runs is active, under the jobs' row locks)."""
+    return _move_jobs(job_ids, JobState.COMPLETED, updated_at=now)
+
+
+def job_replace_spec(*, job_id, expected_version: int, fields: dict) -> bool:
+    """A live job's new spec and version, by compare-and-set on the version it was based on:
+    of two concurrent edits of one version, one wins."""
+    return bool(
+        Job.objects.filter(
+            id=job_id, version=expected_version, state__in=LIVE_JOB_STATES, deleted_at=None
+        ).update(**fields)
+    )
+
+
+def job_mark_deleted(*, job_id, now: dt.datetime) -> bool:
+    """Soft delete: hidden from every read from now on; versions, runs and audit stay."""
+    return bool(Job.objects.filter(id=job_id, deleted_at=None).update(deleted_at=now))
+
+
+# -- runs -------------------------------------------------------------------------------
 ACTIVE_RUN_STATES = frozenset(
     {RunState.PENDING, RunState.QUEUED, RunState.RUNNING, RunState.RETRY_WAIT}
 )
@@ -127,6 +192,28 @@ def run_give_up(*, run_id, now: dt.datetime, reason: str) -> bool:
     )
 
 
+def runs_mark_published(*, run_ids: list, now: dt.datetime) -> int:
+    """Stamp the first publication of runs the broker confirmed (a republication keeps it)."""
+    return Run.objects.filter(id__in=run_ids, published_at__isnull=True).update(published_at=now)
+
+
+def run_count_republish(*, run_id) -> bool:
+    """A queued run published again by reconciliation: counted, while it is still queued."""
+    return bool(
+        Run.objects.filter(id=run_id, state=RunState.QUEUED).update(
+            republish_count=F("republish_count") + 1
+        )
+    )
+
+
+def run_count_duplicate_delivery(*, run_id) -> bool:
+    """A delivery refused because the run was already claimed or finished: counted on it."""
+    return bool(
+        Run.objects.filter(id=run_id).update(duplicate_deliveries=F("duplicate_deliveries") + 1)
+    )
+
+
+# -- attempts ---------------------------------------------------------------------------
 def run_claim(
     *,
     run_id,

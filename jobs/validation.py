@@ -15,7 +15,6 @@ from rest_framework import serializers
 from . import schedules
 from .registry import registered_task_names
 from .retry import DEFAULT_RETRY
-from .services import job_first_fire
 
 QUEUE_RE = re.compile(r"^[A-Za-z0-9_.:-]{1,100}$")
 MAX_JSON_DEPTH = 32
@@ -278,7 +277,7 @@ class JobSpecSerializer(StrictSerializer):
         # Evaluate the schedule once now, so that one that cannot fire is refused here
         # rather than found by the scheduler.
         try:
-            first = job_first_fire(spec=attrs, now=timezone.now())
+            first = schedules.job_first_fire(spec=attrs, now=timezone.now())
         except schedules.ScheduleError as exc:
             raise serializers.ValidationError({"schedule": [str(exc)]}) from exc
         if first is None:

@@ -333,7 +333,7 @@ def test_a_final_failure_pausing_its_job_never_deadlocks_with_cancel_previous(ma
 
     def worker():
         try:
-            attempt_record_failure(attempt=attempt, spec=job.spec, retry_base=0, cause="error",
+            attempt_record_failure(attempt=attempt, spec=job.spec, retry_base=0, ended="failed",
                                    error="boom", now=later(61), by="worker")  # fmt: skip
         except DatabaseError as exc:
             errors["worker"] = exc

@@ -23,7 +23,6 @@ from jobs.models import (
     Run,
     RunState,
 )
-from jobs.retry import CAUSE_ERROR
 from jobs.services import attempt_record_failure, run_replay_request
 from jobs.transitions import attempt_renew_lease, attempt_succeed, run_claim
 from tests.conftest import PINNED_NOW
@@ -187,7 +186,7 @@ def test_the_original_worker_is_refused_after_the_reaper_and_the_retry_takes_tok
             attempt=old,
             spec=run.job_version.spec,
             retry_base=0,
-            cause=CAUSE_ERROR,
+            ended=AttemptState.FAILED,
             error="late",
             now=later(32),
             by="worker:worker-a",

@@ -18,7 +18,7 @@ from jobs.models import (
     Run,
     RunKind,
 )
-from jobs.services import BACKFILL_MAX_RUNS
+from jobs.schedules import BACKFILL_MAX_RUNS
 from tests.jobs.test_api_validation import assert_nothing_created, valid_body
 
 pytestmark = pytest.mark.django_db

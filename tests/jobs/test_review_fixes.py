@@ -300,7 +300,7 @@ def test_history_holds_the_events_of_the_jobs_runs(api, make_job):
     run = Run.objects.get(job=job)
     attempt = run_claim(run_id=run.id, worker="w", now=T0, lease_seconds=30)
     attempt_record_failure(
-        attempt=attempt, spec=job.spec, retry_base=0, cause="lost", error="lease expired",
+        attempt=attempt, spec=job.spec, retry_base=0, ended="lost", error="lease expired",
         now=T0 + H, by="reaper",
     )  # fmt: skip
     body = api.get(f"/api/v1/jobs/{job.id}/history/").json()

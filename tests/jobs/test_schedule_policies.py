@@ -407,7 +407,7 @@ def test_run_latest_does_not_run_a_missed_occurrence_when_a_later_one_is_due(mak
 def test_the_failure_that_reaches_pause_after_failures_pauses_the_job_at_once(
     make_job, django_capture_on_commit_callbacks
 ):
-    from jobs.retry import CAUSE_ERROR
+    from jobs.models import AttemptState
     from jobs.services import attempt_record_failure
 
     job = make_job(
@@ -426,7 +426,7 @@ def test_the_failure_that_reaches_pause_after_failures_pauses_the_job_at_once(
                 attempt=claim(run, at(minutes=minute, seconds=1)),
                 spec=run.job_version.spec,
                 retry_base=0,
-                cause=CAUSE_ERROR,
+                ended=AttemptState.FAILED,
                 error="boom",
                 now=at(minutes=minute, seconds=2),
                 by="worker:test",

@@ -11,8 +11,7 @@ from functools import cache
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jobs.schedules import occurrences, zone
-from jobs.services import job_next_fire
+from jobs.schedules import job_next_fire, occurrences, zone
 
 ZONES = [
     "America/New_York",

@@ -1,4 +1,4 @@
-"""When schedules fire (jobs.schedules, jobs.services.job_next_fire) and how retries wait
+"""When schedules fire (jobs.schedules, including jobs.schedules.job_next_fire) and how retries wait
 (jobs.retry). Every clock is pinned; expected instants are worked out by hand in UTC."""
 
 from __future__ import annotations
@@ -12,12 +12,13 @@ import pytest
 from jobs.retry import retries_left, retry_delay_seconds
 from jobs.schedules import (
     ScheduleError,
+    job_first_fire,
+    job_next_fire,
     next_fire,
     normalize_cron,
     occurrences,
     zone,
 )
-from jobs.services import job_first_fire, job_next_fire
 from tests.conftest import job_spec
 
 UTC = dt.UTC

@@ -8,9 +8,9 @@ import datetime as dt
 import pytest
 from django.db import IntegrityError, transaction
 
+from jobs.keys import backfill_key
 from jobs.models import AuditEvent, Job, JobState, JobVersion, OutboxMessage, Run, RunKind, RunState
 from jobs.services import (
-    backfill_idempotency_key,
     job_backfill,
     job_cancel,
     job_delete,
@@ -74,7 +74,7 @@ def test_a_second_backfill_run_of_one_occurrence_is_refused_by_the_database(make
             scheduled_for=NOW,
             due_at=NOW,
             created_at=NOW,
-            idempotency_key=backfill_idempotency_key(job.id, NOW) + "-other",
+            idempotency_key=backfill_key(job.id, NOW) + "-other",
         )
     # A scheduled run of the same instant is another identity and may exist beside it.
     Run.objects.create(
