@@ -25,13 +25,14 @@ from .idempotency import (
     idempotency_key_problem,
     idempotent_answer,
 )
-from .models import AuditEvent, JobState, RunKind, RunState
-from .selectors import job_get, job_history, job_list, run_get, run_list
+from .models import JobState, RunKind, RunState
+from .selectors import job_get, job_history, job_list, run_get, run_history, run_list
 from .services import (
     job_backfill,
     job_cancel,
     job_create,
     job_delete,
+    job_is_editable,
     job_pause,
     job_resume,
     job_trigger,
@@ -323,14 +324,14 @@ class JobDetailApi(APIView):
         if expected is not None and expected != job.version:
             return _stale(job)
         # State first: no correction of the body would make a change of this job legal.
-        if job.state not in (JobState.ACTIVE, JobState.PAUSED):
+        if not job_is_editable(job=job):
             return _conflict(f"a {job.state} job cannot be changed", state=job.state)
         spec = job_patched_spec(spec=job.spec, patch=request.data)
         if not job_update(
             job=job, spec=spec, expected_version=job.version, actor=request.user, now=db_now()
         ):
             job = _visible_job(request, job_id)
-            if job.state not in (JobState.ACTIVE, JobState.PAUSED):
+            if not job_is_editable(job=job):
                 return _conflict(f"a {job.state} job cannot be changed", state=job.state)
             return _stale(job)
         job = _visible_job(request, job_id)
@@ -391,8 +392,7 @@ class RunDetailOutput(RunOutput):
     def get_history(self, run) -> list:
         """What happened to the run besides its attempts, oldest first: cancels, replays,
         lost and timed-out attempts, refused duplicates, reconciliation's repairs."""
-        events = AuditEvent.objects.filter(run=run).order_by("created_at", "id")[:500]
-        return RunEventOutput(events, many=True).data
+        return RunEventOutput(run_history(run=run), many=True).data
 
 
 class RunDetailApi(APIView):

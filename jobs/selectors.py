@@ -17,6 +17,8 @@ HISTORY_EVENTS_LIMIT = 1000
 # A value in a version's spec or diff whose JSON is longer than this is shown truncated
 # (args and kwargs may be 64 KiB each), so that the history's size stays bounded.
 HISTORY_VALUE_MAX_CHARS = 2000
+# A run's history lists at most this many events, oldest first.
+RUN_HISTORY_LIMIT = 500
 
 
 def _sees_everything(user: AbstractBaseUser) -> bool:
@@ -70,6 +72,12 @@ def run_list(*, user: AbstractBaseUser, filters: dict | None = None) -> QuerySet
 
 def run_get(*, user: AbstractBaseUser, run_id) -> Run | None:
     return run_list(user=user).filter(id=run_id).first()
+
+
+def run_history(*, run: Run) -> list[AuditEvent]:
+    """What happened to the run besides its attempts, oldest first: cancels, replays, lost
+    and timed-out attempts, refused duplicates, reconciliation's repairs."""
+    return list(AuditEvent.objects.filter(run=run).order_by("created_at", "id")[:RUN_HISTORY_LIMIT])
 
 
 def _bounded(value):

@@ -155,6 +155,11 @@ def job_cancel(*, job: Job, actor: AbstractBaseUser, now: dt.datetime) -> bool:
     return True
 
 
+def job_is_editable(*, job: Job) -> bool:
+    """Whether the job's spec may change at all (whatever the body): only while it is live."""
+    return job.state in LIVE_JOB_STATES and job.deleted_at is None
+
+
 def job_update(
     *, job: Job, spec: dict, expected_version: int, actor: AbstractBaseUser, now: dt.datetime
 ) -> bool:
