@@ -21,6 +21,7 @@ from kombu import Connection, Producer
 
 from jobs.models import OutboxMessage, OutboxState, Run
 
+from .config import config_require
 from .failpoints import failpoint
 from .loop import BROKER_ERRORS
 
@@ -35,6 +36,11 @@ class RelayConfig:
     batch_size: int = 200
     confirm_timeout: float = 15.0  # seconds to wait for a batch's confirms
     poll_interval: float = 0.2  # sleep when the outbox is empty
+
+    def __post_init__(self) -> None:
+        config_require(
+            self, at_least_one=("batch_size",), positive=("confirm_timeout", "poll_interval")
+        )
 
 
 @dataclasses.dataclass(frozen=True)

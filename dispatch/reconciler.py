@@ -8,7 +8,6 @@ them, and counts and records every repair in the run's history.
 - A run `running` without a running attempt holding its token (only a bug or a hand edit
   makes one): treated like a lost attempt, retried or failed by the job's policy.
 - Outbox rows pending too long: the relay keeps retrying them; here they are alarmed.
-- Run logs past retention: one bounded batch pruned per pass (logs_app.retention).
 
 Every repair is one conditional update on rows claimed with FOR UPDATE SKIP LOCKED, so any
 number of replicas may run it.
@@ -30,9 +29,10 @@ from jobs.models import Attempt, AttemptState, AuditEvent, OutboxMessage, Outbox
 from jobs.outbox import outbox_enqueue_runs
 from jobs.retry import CAUSE_LOST, failure_outcome
 from jobs.transitions import run_end_orphan, run_give_up
-from logs_app.retention import logs_prune
 
-log = logging.getLogger("dispatch.reconcile")
+from .config import config_require
+
+log = logging.getLogger("dispatch.reconciler")
 
 # queue name -> ready messages in it, or None when the broker cannot tell.
 QueueDepth = Callable[[str], "int | None"]
@@ -55,6 +55,19 @@ class ReconcileConfig:
     running_orphan_after_seconds: float = 30.0
     outbox_alarm_after_seconds: float = 60.0
 
+    def __post_init__(self) -> None:
+        config_require(
+            self,
+            at_least_one=("batch_size",),
+            positive=(
+                "poll_interval",
+                "queued_after_seconds",
+                "running_orphan_after_seconds",
+                "outbox_alarm_after_seconds",
+            ),
+            non_negative=("max_republish",),
+        )
+
 
 @dataclasses.dataclass(frozen=True)
 class ReconcileResult:
@@ -62,7 +75,6 @@ class ReconcileResult:
     undeliverable: int = 0
     orphans_repaired: int = 0
     outbox_stuck: int = 0
-    logs_pruned: int = 0
 
 
 def reconcile_run_once(
@@ -75,13 +87,11 @@ def reconcile_run_once(
     with transaction.atomic():
         orphans = _repair_orphaned_running(now=now, config=config)
     stuck = _alarm_stuck_outbox(now=now, config=config)
-    pruned = logs_prune(now=now, batch_size=config.batch_size)
     return ReconcileResult(
         republished=republished,
         undeliverable=undeliverable,
         orphans_repaired=orphans,
         outbox_stuck=stuck,
-        logs_pruned=pruned,
     )
 
 
