@@ -1,6 +1,7 @@
 """The thin loop around every `*_run_once`: stop on SIGTERM/SIGINT, back off on outages.
 
-A step returns how long to sleep; the loop adds jitter so that replicas drift apart.
+A step returns how long to sleep (`run_once_step` makes one of a `*_run_once` and its
+config); the loop adds jitter so that replicas drift apart.
 A failed step closes the connection and backs off (up to 5 s), so a process reconnects by
 itself after PostgreSQL or RabbitMQ restarts, and no single bad step kills it.
 """
@@ -12,10 +13,13 @@ import random
 import signal
 import threading
 from collections.abc import Callable
+from typing import Any
 
 from amqp.exceptions import AMQPError
 from django.db import DatabaseError, close_old_connections, connections
 from kombu.exceptions import KombuError
+
+from jobs.clock import db_now
 
 BROKER_ERRORS: tuple[type[BaseException], ...] = (OSError, KombuError, AMQPError)
 MAX_BACKOFF_SECONDS = 5.0
@@ -37,6 +41,26 @@ class StopSignal:
 
     def wait(self, seconds: float) -> None:
         self.event.wait(seconds)
+
+
+def run_once_step(
+    run_once: Callable[..., Any],
+    config: Any,
+    *,
+    sleep: Callable[[Any], float] | None = None,
+    **arguments: Any,
+) -> Callable[[], float]:
+    """A loop step: `run_once(now=<the database's clock>, config=config, **arguments)`, then
+    no sleep while its batch was full, else `sleep(result)` seconds (by default the
+    config's poll_interval). A `run_once` that returns None did nothing this step."""
+
+    def step() -> float:
+        result = run_once(now=db_now(), config=config, **arguments)
+        if getattr(result, "batch_full", False):
+            return 0.0
+        return config.poll_interval if sleep is None else sleep(result)
+
+    return step
 
 
 def run_loop(

@@ -22,6 +22,7 @@ from jobs.models import Attempt, AttemptState
 from jobs.services import attempt_record_failure
 from jobs.transitions import attempt_abandon
 
+from .config import config_require
 from .relay import HARD_TIME_LIMIT_GRACE
 
 log = logging.getLogger("dispatch.reaper")
@@ -39,6 +40,14 @@ class ReaperConfig:
     # After the database was unreachable, reap nothing until it has answered this long:
     # workers' lease keepers need the time to renew leases that lapsed during the outage.
     recovery_grace_seconds: float = 5.0
+
+    def __post_init__(self) -> None:
+        config_require(
+            self,
+            at_least_one=("batch_size",),
+            positive=("poll_interval", "lock_timeout_seconds"),
+            non_negative=("deadline_grace_seconds", "recovery_grace_seconds"),
+        )
 
 
 @dataclasses.dataclass(frozen=True)

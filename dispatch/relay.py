@@ -22,6 +22,7 @@ from jobs.models import OutboxMessage, OutboxState
 from jobs.outbox import outbox_mark_published, outbox_record_failure
 from jobs.transitions import runs_mark_published
 
+from .config import config_require
 from .failpoints import failpoint
 from .loop import BROKER_ERRORS
 
@@ -36,6 +37,11 @@ class RelayConfig:
     batch_size: int = 200
     confirm_timeout: float = 15.0  # seconds to wait for a batch's confirms
     poll_interval: float = 0.2  # sleep when the outbox is empty
+
+    def __post_init__(self) -> None:
+        config_require(
+            self, at_least_one=("batch_size",), positive=("confirm_timeout", "poll_interval")
+        )
 
 
 @dataclasses.dataclass(frozen=True)

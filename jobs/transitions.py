@@ -76,6 +76,12 @@ def job_replace_spec(*, job_id, expected_version: int, fields: dict) -> bool:
     )
 
 
+def jobs_advance(*, jobs: list[Job]) -> None:
+    """Store the advanced next_run_at of jobs whose due occurrences were just materialized;
+    the caller holds their row locks (FOR UPDATE), so no other writer can interleave."""
+    Job.objects.bulk_update(jobs, ["next_run_at"])
+
+
 def job_mark_deleted(*, job_id, now: dt.datetime) -> bool:
     """Soft delete: hidden from every read from now on; versions, runs and audit stay."""
     return bool(Job.objects.filter(id=job_id, deleted_at=None).update(deleted_at=now))

@@ -1,7 +1,7 @@
 """Retention of run logs: the chunks (rows and stored content) and manifests of attempts that
 finished more than `retention_days` ago. A running attempt is never pruned.
 
-`logs_prune` does one bounded batch; reconciliation calls it once per pass, and
+`logs_prune` does one bounded batch; the pruner (dispatch.pruner) calls it once per pass, and
 `manage.py prune_logs` loops it until nothing is left.
 """
 

@@ -11,7 +11,7 @@ from django.db import transaction
 
 import jobs.transitions as transitions
 from dispatch.reaper import OutageGrace, ReaperConfig, reaper_run_once
-from dispatch.reconcile import ReconcileConfig, reconcile_run_once
+from dispatch.reconciler import ReconcileConfig, reconcile_run_once
 from dispatch.runtime import RunContext, run_execute_delivery
 from dispatch.scheduler import SchedulerConfig, scheduler_run_once
 from jobs.models import Attempt, AttemptState, OutboxMessage, OutboxState, Run, RunState

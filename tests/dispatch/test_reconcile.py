@@ -1,4 +1,4 @@
-"""Reconciliation in process (dispatch.reconcile): runs whose message was lost in the broker
+"""Reconciliation in process (dispatch.reconciler): runs whose message was lost in the broker
 are published again, then given up as undeliverable; running runs without a live attempt
 are repaired. The broker's queue depth is a seam (`queue_depth`), faked here except in the
 one test that asks the session's real RabbitMQ vhost."""
@@ -13,7 +13,7 @@ import pytest
 from django.conf import settings
 from kombu import Connection, Queue
 
-from dispatch.reconcile import (
+from dispatch.reconciler import (
     BrokerQueueDepth,
     ReconcileConfig,
     ReconcileResult,

@@ -7,7 +7,7 @@ import datetime as dt
 import pytest
 from drf_spectacular.generators import SchemaGenerator
 
-from dispatch import scheduler as scheduler_module
+from dispatch import materializer as materializer_module
 from dispatch.scheduler import SchedulerConfig, scheduler_run_once
 from jobs.models import AuditEvent, Job, JobState, JobVersion, Run, RunKind, RunState
 from jobs.schedules import ScheduleError
@@ -134,7 +134,7 @@ def _backlog(job, count: int) -> None:
 def test_a_pass_loads_a_bounded_number_of_active_runs(make_job, monkeypatch, overlap, most):
     job = make_job(now=T0, schedule={"kind": "interval", "every_seconds": 1}, overlap=overlap)
     _backlog(job, 500)
-    monkeypatch.setattr(scheduler_module, "OVERLAP_RUNS_PER_JOB", 100)
+    monkeypatch.setattr(materializer_module, "OVERLAP_RUNS_PER_JOB", 100)
     loaded = []
     original = Run.from_db.__func__
     monkeypatch.setattr(

@@ -8,14 +8,10 @@ import datetime as dt
 
 import pytest
 
-from dispatch.scheduler import (
-    OCCURRENCES_PER_JOB_PER_PASS,
-    SchedulerConfig,
-    run_jitter,
-    scheduler_run_once,
-    scheduler_sleep_seconds,
-)
+from dispatch.materializer import OCCURRENCES_PER_JOB_PER_PASS
+from dispatch.scheduler import SchedulerConfig, scheduler_run_once, scheduler_sleep_seconds
 from jobs.models import AttemptState, AuditEvent, Job, JobState, OutboxMessage, Run, RunState
+from jobs.policies import run_jitter
 from jobs.services import job_pause, job_resume, job_trigger
 from jobs.transitions import attempt_fail, attempt_succeed, run_claim
 

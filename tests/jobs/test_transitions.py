@@ -1,5 +1,6 @@
 """Run and attempt transitions (jobs.transitions), the scheduler's materialization of runs
-(dispatch.scheduler) and the database constraints behind both. Clocks are pinned."""
+(dispatch.materializer, through dispatch.scheduler) and the database constraints behind
+both. Clocks are pinned."""
 
 from __future__ import annotations
 

@@ -9,7 +9,7 @@ import pytest
 from django.core.files.storage import storages
 from django.core.management import call_command
 
-from dispatch.reconcile import ReconcileConfig, reconcile_run_once
+from dispatch.pruner import PrunerConfig, pruner_run_once
 from jobs.clock import db_now
 from jobs.models import Attempt
 from logs_app.models import LogChunk, LogManifest
@@ -83,13 +83,13 @@ def test_pruning_is_batched_and_manifests_go_first(queued_run, api):
 
 
 @pytest.mark.django_db
-def test_reconciliation_prunes_one_batch_per_pass(queued_run, settings):
+def test_the_pruner_prunes_one_batch_per_pass(queued_run, settings):
     settings.SCHEDULER_LOGS = {**settings.SCHEDULER_LOGS, "retention_days": 30}
     attempt_with_logs(queued_run, finished=NOW - dt.timedelta(days=31))
-    config = ReconcileConfig(batch_size=1)
-    assert reconcile_run_once(now=NOW, config=config, queue_depth=lambda q: 0).logs_pruned == 2
-    assert reconcile_run_once(now=NOW, config=config, queue_depth=lambda q: 0).logs_pruned == 1
-    assert reconcile_run_once(now=NOW, config=config, queue_depth=lambda q: 0).logs_pruned == 0
+    config = PrunerConfig(batch_size=1)
+    assert pruner_run_once(now=NOW, config=config).logs_pruned == 2
+    assert pruner_run_once(now=NOW, config=config).logs_pruned == 1
+    assert pruner_run_once(now=NOW, config=config).logs_pruned == 0
 
 
 @pytest.mark.django_db

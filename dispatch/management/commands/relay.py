@@ -1,9 +1,8 @@
 from django.conf import settings
 from django.core.management.base import BaseCommand
 
-from dispatch.loop import StopSignal, run_loop
+from dispatch.loop import StopSignal, run_loop, run_once_step
 from dispatch.relay import ConfirmingPublisher, RelayConfig, relay_run_once
-from jobs.clock import db_now
 
 
 class Command(BaseCommand):
@@ -19,11 +18,13 @@ class Command(BaseCommand):
         publisher = ConfirmingPublisher(
             settings.CELERY_BROKER_URL, settings.CELERY_BROKER_TRANSPORT_OPTIONS
         )
-
-        def step() -> float:
-            result = relay_run_once(now=db_now(), config=config, publisher=publisher)
-            return 0.0 if result.batch_full else (0.0 if result.published else config.poll_interval)
-
+        # After a batch that published anything, look again at once.
+        step = run_once_step(
+            relay_run_once,
+            config,
+            sleep=lambda result: 0.0 if result.published else config.poll_interval,
+            publisher=publisher,
+        )
         self.stdout.write("relay started")
         try:
             run_loop(

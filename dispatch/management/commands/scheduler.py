@@ -1,11 +1,19 @@
+"""`python manage.py scheduler`: one scheduler replica, a thread per loop.
+
+The command only chooses the loops; each is `dispatch.loop.run_loop` around one concern's
+`*_run_once` (see each module's docstring).
+"""
+
 import threading
+from collections.abc import Callable
 
 from django.conf import settings
 from django.core.management.base import BaseCommand
 
-from dispatch.loop import StopSignal, run_loop
+from dispatch.loop import StopSignal, run_loop, run_once_step
+from dispatch.pruner import PrunerConfig, pruner_run_once
 from dispatch.reaper import OutageGrace, ReaperConfig, reaper_run_once
-from dispatch.reconcile import BrokerQueueDepth, ReconcileConfig, reconcile_run_once
+from dispatch.reconciler import BrokerQueueDepth, ReconcileConfig, reconcile_run_once
 from dispatch.scheduler import SchedulerConfig, scheduler_run_once, scheduler_sleep_seconds
 from jobs.clock import db_now
 
@@ -13,7 +21,7 @@ from jobs.clock import db_now
 class Command(BaseCommand):
     help = (
         "Run one scheduler replica: turns due occurrences and retries into queued runs, and "
-        "runs the reaper (expired leases, timeouts) and reconciliation loops beside it."
+        "runs the reaper (expired leases, timeouts), reconciliation and pruning loops beside it."
     )
 
     def add_arguments(self, parser):
@@ -29,6 +37,11 @@ class Command(BaseCommand):
             help="run no reconciliation loop in this process",
         )
         parser.add_argument(
+            "--without-pruner",
+            action="store_true",
+            help="run no pruning loop (idempotency keys, run logs) in this process",
+        )
+        parser.add_argument(
             "--reconcile-interval", type=float, default=ReconcileConfig.poll_interval
         )
         parser.add_argument(
@@ -40,13 +53,44 @@ class Command(BaseCommand):
 
     def handle(self, *args, **options):
         stop = StopSignal().install()
-        loops = [threading.Thread(target=self.scheduler_loop, args=(stop, options), daemon=True)]
-        if not options["without_reaper"]:
-            loops.append(threading.Thread(target=self.reaper_loop, args=(stop,), daemon=True))
-        if not options["without_reconciler"]:
-            loops.append(
-                threading.Thread(target=self.reconcile_loop, args=(stop, options), daemon=True)
+        scheduler = SchedulerConfig(
+            batch_size=options["batch_size"], poll_interval=options["poll_interval"]
+        )
+        loops = [
+            self.loop(
+                "scheduler",
+                run_once_step(
+                    scheduler_run_once,
+                    scheduler,
+                    sleep=lambda _: scheduler_sleep_seconds(now=db_now(), config=scheduler),
+                ),
+                stop,
+                max_steps=options["max_steps"],
             )
+        ]
+        if not options["without_reaper"]:
+            reaper = ReaperConfig()
+            grace = OutageGrace(reaper.recovery_grace_seconds)
+
+            def reap(*, now, config):
+                # The step read the database's clock first: an outage restarts the grace.
+                return reaper_run_once(now=now, config=config) if grace.ready() else None
+
+            loops.append(
+                self.loop("reaper", run_once_step(reap, reaper), stop, on_error=grace.outage)
+            )
+        if not options["without_reconciler"]:
+            reconcile = ReconcileConfig(
+                poll_interval=options["reconcile_interval"],
+                queued_after_seconds=options["queued_after"],
+            )
+            depth = BrokerQueueDepth(
+                settings.CELERY_BROKER_URL, settings.CELERY_BROKER_TRANSPORT_OPTIONS
+            )
+            step = run_once_step(reconcile_run_once, reconcile, queue_depth=depth)
+            loops.append(self.loop("reconcile", step, stop, close=depth.close))
+        if not options["without_pruner"]:
+            loops.append(self.loop("pruner", run_once_step(pruner_run_once, PrunerConfig()), stop))
         self.stdout.write("scheduler started")
         for loop in loops:
             loop.start()
@@ -56,46 +100,21 @@ class Command(BaseCommand):
         for loop in loops[1:]:
             loop.join(timeout=30)
 
-    def scheduler_loop(self, stop: StopSignal, options: dict) -> None:
-        config = SchedulerConfig(
-            batch_size=options["batch_size"], poll_interval=options["poll_interval"]
-        )
+    def loop(
+        self,
+        name: str,
+        step: Callable[[], float],
+        stop: StopSignal,
+        *,
+        max_steps: int | None = None,
+        on_error: Callable[[BaseException], None] | None = None,
+        close: Callable[[], None] | None = None,
+    ) -> threading.Thread:
+        def target() -> None:
+            try:
+                run_loop(step, name=name, stop=stop, max_steps=max_steps, on_error=on_error)
+            finally:
+                if close is not None:
+                    close()
 
-        def step() -> float:
-            result = scheduler_run_once(now=db_now(), config=config)
-            if result.batch_full:
-                return 0.0
-            return scheduler_sleep_seconds(now=db_now(), config=config)
-
-        run_loop(step, name="scheduler", stop=stop, max_steps=options["max_steps"])
-
-    def reaper_loop(self, stop: StopSignal) -> None:
-        config = ReaperConfig()
-        grace = OutageGrace(config.recovery_grace_seconds)
-
-        def step() -> float:
-            now = db_now()  # fails while the database is away, which restarts the grace
-            if not grace.ready():
-                return config.poll_interval
-            result = reaper_run_once(now=now, config=config)
-            return 0.0 if result.batch_full else config.poll_interval
-
-        run_loop(step, name="reaper", stop=stop, on_error=grace.outage)
-
-    def reconcile_loop(self, stop: StopSignal, options: dict) -> None:
-        config = ReconcileConfig(
-            poll_interval=options["reconcile_interval"],
-            queued_after_seconds=options["queued_after"],
-        )
-        depth = BrokerQueueDepth(
-            settings.CELERY_BROKER_URL, settings.CELERY_BROKER_TRANSPORT_OPTIONS
-        )
-
-        def step() -> float:
-            reconcile_run_once(now=db_now(), config=config, queue_depth=depth)
-            return config.poll_interval
-
-        try:
-            run_loop(step, name="reconcile", stop=stop)
-        finally:
-            depth.close()
+        return threading.Thread(target=target, name=name, daemon=True)

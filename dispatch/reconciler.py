@@ -8,7 +8,6 @@ them, and counts and records every repair in the run's history.
 - A run `running` without a running attempt holding its token (only a bug or a hand edit
   makes one): treated like a lost attempt, retried or failed by the job's policy.
 - Outbox rows pending too long: the relay keeps retrying them; here they are alarmed.
-- Run logs past retention: one bounded batch pruned per pass (logs_app.retention).
 
 Every repair is one conditional update on rows claimed with FOR UPDATE SKIP LOCKED, so any
 number of replicas may run it.
@@ -25,14 +24,24 @@ from django.db import transaction
 from django.db.models import Exists, F, OuterRef, Q, Subquery
 from django.db.models.functions import Coalesce
 
+from jobs.audit import audit_record
 from jobs.counters import counter_increment
-from jobs.models import Attempt, AttemptState, AuditEvent, OutboxMessage, OutboxState, Run, RunState
+from jobs.models import (
+    Attempt,
+    AttemptState,
+    FailureReason,
+    OutboxMessage,
+    OutboxState,
+    Run,
+    RunState,
+)
 from jobs.outbox import outbox_enqueue_runs
 from jobs.retry import retry_decision
 from jobs.transitions import run_count_republish, run_end_orphan, run_give_up
-from logs_app.retention import logs_prune
 
-log = logging.getLogger("dispatch.reconcile")
+from .config import config_require
+
+log = logging.getLogger("dispatch.reconciler")
 
 # queue name -> ready messages in it, or None when the broker cannot tell.
 QueueDepth = Callable[[str], "int | None"]
@@ -55,6 +64,19 @@ class ReconcileConfig:
     running_orphan_after_seconds: float = 30.0
     outbox_alarm_after_seconds: float = 60.0
 
+    def __post_init__(self) -> None:
+        config_require(
+            self,
+            at_least_one=("batch_size",),
+            positive=(
+                "poll_interval",
+                "queued_after_seconds",
+                "running_orphan_after_seconds",
+                "outbox_alarm_after_seconds",
+            ),
+            non_negative=("max_republish",),
+        )
+
 
 @dataclasses.dataclass(frozen=True)
 class ReconcileResult:
@@ -62,7 +84,6 @@ class ReconcileResult:
     undeliverable: int = 0
     orphans_repaired: int = 0
     outbox_stuck: int = 0
-    logs_pruned: int = 0
 
 
 def reconcile_run_once(
@@ -75,20 +96,16 @@ def reconcile_run_once(
     with transaction.atomic():
         orphans = _repair_orphaned_running(now=now, config=config)
     stuck = _alarm_stuck_outbox(now=now, config=config)
-    pruned = logs_prune(now=now, batch_size=config.batch_size)
     return ReconcileResult(
         republished=republished,
         undeliverable=undeliverable,
         orphans_repaired=orphans,
         outbox_stuck=stuck,
-        logs_pruned=pruned,
     )
 
 
 def _record(run: Run, *, action: str, kind: str, data: dict) -> None:
-    AuditEvent.objects.create(
-        actor_label="system:reconciler", action=action, job_id=run.job_id, run=run, data=data
-    )
+    audit_record(action=action, by="reconciler", job_id=run.job_id, run_id=run.id, data=data)
     counter_increment("scheduler_reconcile_repairs_total", labels=f'kind="{kind}"')
 
 
@@ -133,7 +150,7 @@ def _republish_lost_messages(
     republished = undeliverable = 0
     for run in runs:
         if config.max_republish is not None and run.republish_count >= config.max_republish:
-            if run_give_up(run_id=run.id, now=now, reason="undeliverable"):
+            if run_give_up(run_id=run.id, now=now, reason=FailureReason.UNDELIVERABLE):
                 undeliverable += 1
                 _record(run, action="run.undeliverable", kind="undeliverable",
                         data={"republished": run.republish_count})  # fmt: skip

@@ -1,4 +1,5 @@
-"""`python manage.py prune_logs [--days N]`: prune run logs past retention, batch by batch."""
+"""`python manage.py prune_logs [--days N]`: prune run logs past retention, batch by batch
+(`logs_app.retention.logs_prune` until nothing is left, bounded)."""
 
 from django.core.management.base import BaseCommand, CommandError
 
