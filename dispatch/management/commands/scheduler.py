@@ -88,7 +88,7 @@ class Command(BaseCommand):
                 settings.CELERY_BROKER_URL, settings.CELERY_BROKER_TRANSPORT_OPTIONS
             )
             step = run_once_step(reconcile_run_once, reconcile, queue_depth=depth)
-            loops.append(self.loop("reconcile", step, stop, close=depth.close))
+            loops.append(self.loop("reconciler", step, stop, close=depth.close))
         if not options["without_pruner"]:
             loops.append(self.loop("pruner", run_once_step(pruner_run_once, PrunerConfig()), stop))
         self.stdout.write("scheduler started")
