@@ -19,7 +19,8 @@ from jobs.models import (
     RunKind,
 )
 from jobs.schedules import BACKFILL_MAX_RUNS
-from tests.jobs.test_api_validation import assert_nothing_created, valid_body
+from tests.factories import job_body
+from tests.jobs.test_api_validation import assert_nothing_created
 
 pytestmark = pytest.mark.django_db
 JOBS = "/api/v1/jobs/"
@@ -27,7 +28,7 @@ DAILY = {"kind": "cron", "expression": "0 9 * * *", "timezone": "UTC"}
 
 
 def create(api, **overrides) -> dict:
-    response = api.post(JOBS, valid_body(**overrides), format="json")
+    response = api.post(JOBS, job_body(**overrides), format="json")
     assert response.status_code == 201, response.content
     return response.json()
 
@@ -273,7 +274,7 @@ def test_other_owners_jobs_answer_404_to_every_action(api, make_job, other_user)
 
 
 def test_same_key_same_body_returns_the_original_job(api):
-    body = valid_body()
+    body = job_body()
     first = api.post(JOBS, body, format="json", HTTP_IDEMPOTENCY_KEY="k-1")
     again = api.post(JOBS, body, format="json", HTTP_IDEMPOTENCY_KEY="k-1")
     assert (first.status_code, again.status_code) == (201, 201)
@@ -283,8 +284,8 @@ def test_same_key_same_body_returns_the_original_job(api):
 
 
 def test_same_key_other_body_is_409_and_creates_nothing(api):
-    api.post(JOBS, valid_body(), format="json", HTTP_IDEMPOTENCY_KEY="k-1")
-    response = api.post(JOBS, valid_body(name="other"), format="json", HTTP_IDEMPOTENCY_KEY="k-1")
+    api.post(JOBS, job_body(), format="json", HTTP_IDEMPOTENCY_KEY="k-1")
+    response = api.post(JOBS, job_body(name="other"), format="json", HTTP_IDEMPOTENCY_KEY="k-1")
     assert response.status_code == 409
     assert "Idempotency-Key" in response.json()["detail"]
     assert Job.objects.count() == 1
@@ -296,19 +297,19 @@ def test_keys_are_per_owner_and_per_operation(api, user, other_user):
 
     other = APIClient()
     other.credentials(HTTP_AUTHORIZATION=f"Token {Token.objects.create(user=other_user).key}")
-    mine = api.post(JOBS, valid_body(), format="json", HTTP_IDEMPOTENCY_KEY="shared").json()
-    theirs = other.post(JOBS, valid_body(), format="json", HTTP_IDEMPOTENCY_KEY="shared").json()
+    mine = api.post(JOBS, job_body(), format="json", HTTP_IDEMPOTENCY_KEY="shared").json()
+    theirs = other.post(JOBS, job_body(), format="json", HTTP_IDEMPOTENCY_KEY="shared").json()
     assert mine["id"] != theirs["id"]
     trigger = api.post(url(mine, "trigger"), format="json", HTTP_IDEMPOTENCY_KEY="shared")
     assert trigger.status_code == 201
 
 
 def test_a_failed_request_does_not_burn_its_key(api):
-    bad = api.post(JOBS, valid_body(timeout_seconds=-1), format="json", HTTP_IDEMPOTENCY_KEY="k")
+    bad = api.post(JOBS, job_body(timeout_seconds=-1), format="json", HTTP_IDEMPOTENCY_KEY="k")
     assert bad.status_code == 400
     assert_nothing_created()
     assert not IdempotencyRecord.objects.exists()
-    assert api.post(JOBS, valid_body(), format="json", HTTP_IDEMPOTENCY_KEY="k").status_code == 201
+    assert api.post(JOBS, job_body(), format="json", HTTP_IDEMPOTENCY_KEY="k").status_code == 201
 
 
 def test_trigger_replay_returns_the_same_run(api):
@@ -335,17 +336,17 @@ def test_backfill_replay_returns_the_same_answer_and_other_window_conflicts(api)
 
 @pytest.mark.parametrize("key", ["", "x" * 201, "tab\there"])
 def test_a_malformed_key_is_400_naming_the_header(api, key):
-    response = api.post(JOBS, valid_body(), format="json", HTTP_IDEMPOTENCY_KEY=key)
+    response = api.post(JOBS, job_body(), format="json", HTTP_IDEMPOTENCY_KEY=key)
     assert response.status_code == 400
     assert "Idempotency-Key" in response.json()
     assert_nothing_created()
 
 
 def test_an_expired_key_is_forgotten_and_pruned_in_bounded_batches(api, user):
-    first = api.post(JOBS, valid_body(), format="json", HTTP_IDEMPOTENCY_KEY="old").json()
+    first = api.post(JOBS, job_body(), format="json", HTTP_IDEMPOTENCY_KEY="old").json()
     old = dt.datetime.now(dt.UTC) - IDEMPOTENCY_RETENTION - dt.timedelta(minutes=1)
     IdempotencyRecord.objects.update(created_at=old)
-    second = api.post(JOBS, valid_body(), format="json", HTTP_IDEMPOTENCY_KEY="old").json()
+    second = api.post(JOBS, job_body(), format="json", HTTP_IDEMPOTENCY_KEY="old").json()
     assert second["id"] != first["id"]  # past retention, the key is new again
     for index in range(3):
         IdempotencyRecord.objects.create(

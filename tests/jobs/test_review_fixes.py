@@ -14,7 +14,7 @@ from jobs.schedules import ScheduleError
 from jobs.services import attempt_record_failure, job_pause, job_resume, job_update
 from jobs.transitions import run_claim
 from jobs.validation import job_patched_spec
-from tests.jobs.test_api_validation import valid_body
+from tests.factories import job_body
 
 T0 = dt.datetime(2030, 1, 1, 0, 0, tzinfo=dt.UTC)
 H = dt.timedelta(hours=1)
@@ -95,9 +95,7 @@ def test_a_schedule_patch_before_the_next_occurrence_moves_it_from_now(make_job,
     ],
 )
 def test_a_jitter_as_long_as_the_period_is_refused(api, schedule, jitter):
-    r = api.post(
-        "/api/v1/jobs/", valid_body(schedule=schedule, jitter_seconds=jitter), format="json"
-    )
+    r = api.post("/api/v1/jobs/", job_body(schedule=schedule, jitter_seconds=jitter), format="json")
     assert r.status_code == 400, r.json()
     assert "period" in r.json()["jitter_seconds"][0]
 
@@ -111,9 +109,7 @@ def test_a_jitter_as_long_as_the_period_is_refused(api, schedule, jitter):
     ],
 )
 def test_a_jitter_shorter_than_the_period_is_accepted(api, schedule, jitter):
-    r = api.post(
-        "/api/v1/jobs/", valid_body(schedule=schedule, jitter_seconds=jitter), format="json"
-    )
+    r = api.post("/api/v1/jobs/", job_body(schedule=schedule, jitter_seconds=jitter), format="json")
     assert r.status_code == 201, r.json()
 
 
@@ -176,7 +172,7 @@ def test_the_api_shows_a_skipped_runs_reason(api, make_job):
 
 def test_a_backfill_from_year_one_is_a_400_on_start(api):
     job = api.post(
-        "/api/v1/jobs/", valid_body(schedule={"kind": "cron", "expression": "0 0 1 1 *"}),
+        "/api/v1/jobs/", job_body(schedule={"kind": "cron", "expression": "0 0 1 1 *"}),
         format="json",
     ).json()  # fmt: skip
     r = api.post(
@@ -190,7 +186,7 @@ def test_a_backfill_from_year_one_is_a_400_on_start(api):
 
 def test_an_interval_backfill_before_the_jobs_creation_extends_its_grid_backwards(api):
     job = api.post(
-        "/api/v1/jobs/", valid_body(schedule={"kind": "interval", "every_seconds": 3600}),
+        "/api/v1/jobs/", job_body(schedule={"kind": "interval", "every_seconds": 3600}),
         format="json",
     ).json()  # fmt: skip
     created_at = dt.datetime.fromisoformat(job["created_at"])
@@ -213,7 +209,7 @@ def test_an_interval_backfill_before_the_jobs_creation_extends_its_grid_backward
 
 
 def test_a_one_time_job_whose_run_at_is_before_start_at_is_refused(api):
-    body = valid_body(
+    body = job_body(
         schedule={"kind": "once", "run_at": "2031-01-01T00:00:00Z"}, start_at="2032-01-01T00:00:00Z"
     )
     r = api.post("/api/v1/jobs/", body, format="json")
@@ -226,7 +222,7 @@ def test_a_one_time_job_whose_run_at_is_before_start_at_is_refused(api):
 
 @pytest.mark.parametrize("body", [{}, {"name": "nightly report"}])
 def test_a_patch_that_changes_nothing_makes_no_version(api, body):
-    job = api.post("/api/v1/jobs/", valid_body(), format="json").json()
+    job = api.post("/api/v1/jobs/", job_body(), format="json").json()
     r = api.patch(f"/api/v1/jobs/{job['id']}/", body, format="json", HTTP_IF_MATCH="1")
     assert r.status_code == 200
     assert r.json()["version"] == 1
@@ -235,7 +231,7 @@ def test_a_patch_that_changes_nothing_makes_no_version(api, body):
 
 
 def test_a_patch_of_a_cancelled_job_is_409_whatever_the_body(api):
-    job = api.post("/api/v1/jobs/", valid_body(), format="json").json()
+    job = api.post("/api/v1/jobs/", job_body(), format="json").json()
     api.post(f"/api/v1/jobs/{job['id']}/cancel/")
     r = api.patch(f"/api/v1/jobs/{job['id']}/", {"timeout_seconds": -1}, format="json")
     assert r.status_code == 409

@@ -19,7 +19,7 @@ from jobs.schedules import (
     occurrences,
     zone,
 )
-from tests.conftest import job_spec
+from tests.factories import job_spec
 
 UTC = dt.UTC
 

@@ -17,6 +17,7 @@ from jobs.transitions import (
     run_claim,
     runs_requeue,
 )
+from tests import factories
 
 pytestmark = pytest.mark.django_db
 
@@ -37,11 +38,11 @@ def reload(obj):
 
 
 @pytest.fixture
-def queued_run(make_job) -> Run:
+def queued_run(user) -> Run:
     """A one-time job due at RUN_AT, materialized by the scheduler at NOW."""
-    job = make_job(now=CREATED, schedule={"kind": "once", "run_at": RUN_AT.isoformat()})
-    assert scheduler_run_once(now=NOW, config=CONFIG).runs_created == 1
-    return Run.objects.get(job=job)
+    run = factories.queued_run(user, created=CREATED, run_at=RUN_AT, materialize_at=NOW)
+    assert Run.objects.count() == 1  # the scheduler created this one run
+    return run
 
 
 @pytest.fixture
