@@ -20,7 +20,7 @@ from jobs.models import (
 )
 from jobs.schedules import BACKFILL_MAX_RUNS
 from tests.factories import job_body
-from tests.jobs.test_api_validation import assert_nothing_created
+from tests.jobs.test_validation import assert_nothing_created
 
 pytestmark = pytest.mark.django_db
 JOBS = "/api/v1/jobs/"
