@@ -1,5 +1,6 @@
 """The REST API (jobs.api): reads scoped to the owner, versions and If-Match,
-pause/resume/trigger/backfill, soft delete, history, idempotency keys, list filters and the schedule preview."""
+pause/resume/trigger/backfill, soft delete, history, idempotency keys, list filters and
+the schedule preview."""
 
 from __future__ import annotations
 
