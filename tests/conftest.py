@@ -10,11 +10,9 @@ import uuid
 import pytest
 from django.conf import settings
 from django.contrib.auth import get_user_model
-from rest_framework.authtoken.models import Token
 from rest_framework.test import APIClient
 
-from jobs.services import job_create
-from jobs.validation import JobSpecSerializer
+from tests import factories
 
 
 def _rabbitmqctl(*args: str) -> None:
@@ -59,22 +57,7 @@ def other_user(db):
 @pytest.fixture
 def api(user) -> APIClient:
     """An in-process API client authenticated by the user's token."""
-    client = APIClient()
-    client.credentials(HTTP_AUTHORIZATION=f"Token {Token.objects.create(user=user).key}")
-    return client
-
-
-def job_spec(**overrides) -> dict:
-    """A valid job body, validated as the API would, with `overrides` applied first."""
-    body = {
-        "name": "test job",
-        "task": "tests.record",
-        "schedule": {"kind": "once", "run_at": "2030-01-01T00:00:00Z"},
-        **overrides,
-    }
-    serializer = JobSpecSerializer(data=body)
-    serializer.is_valid(raise_exception=True)
-    return dict(serializer.validated_data)
+    return factories.api_client(user)
 
 
 @pytest.fixture
@@ -82,32 +65,18 @@ def make_job(user):
     """Create a job through the service layer: make_job(now=..., **body_overrides)."""
 
     def make(*, now: dt.datetime | None = None, owner=None, **overrides):
-        return job_create(
-            owner=owner or user, spec=job_spec(**overrides), now=now or dt.datetime.now(dt.UTC)
-        )
+        return factories.make_job(owner or user, now=now, **overrides)
 
     return make
 
 
-# The instant in-process tests pin their clocks to (far from any real clock's reach).
-PINNED_NOW = dt.datetime(2030, 1, 1, 12, 0, tzinfo=dt.UTC)
-
-
 @pytest.fixture
-def queued_run(make_job):
+def queued_run(user):
     """make(**job_overrides): a one-time job due at PINNED_NOW, materialized by the
     scheduler: its run is queued, with its outbox row pending."""
-    from dispatch.scheduler import SchedulerConfig, scheduler_run_once
-    from jobs.models import Run
 
-    def make(**overrides) -> Run:
-        job = make_job(
-            now=PINNED_NOW - dt.timedelta(minutes=1),
-            schedule={"kind": "once", "run_at": PINNED_NOW.isoformat()},
-            **overrides,
-        )
-        scheduler_run_once(now=PINNED_NOW, config=SchedulerConfig())
-        return Run.objects.select_related("job_version").get(job=job)
+    def make(*, owner=None, **overrides):
+        return factories.queued_run(owner or user, **overrides)
 
     return make
 

@@ -12,7 +12,6 @@ from django.db import close_old_connections
 from django.utils import timezone
 from drf_spectacular.generators import SchemaGenerator
 from hypothesis import HealthCheck, settings
-from rest_framework.authtoken.models import Token
 from schemathesis.checks import not_a_server_error
 from schemathesis.specs.openapi.checks import (
     content_type_conformance,
@@ -20,6 +19,7 @@ from schemathesis.specs.openapi.checks import (
 )
 
 from jobs.services import job_trigger
+from tests.factories import token_for
 
 EXAMPLES_PER_OPERATION = 12
 
@@ -32,7 +32,7 @@ schema.app = get_wsgi_application()
 
 @pytest.fixture
 def token(user) -> str:
-    return Token.objects.create(user=user).key
+    return token_for(user)
 
 
 @pytest.fixture

@@ -10,7 +10,7 @@ from django.contrib.auth import get_user_model
 
 from jobs.models import Counter, Job, OutboxMessage, OutboxState, Run, RunState
 from jobs.services import job_create
-from tests.conftest import job_spec
+from tests.factories import job_spec
 from tests.processes import wait_for
 
 pytestmark = pytest.mark.slow

@@ -7,8 +7,7 @@ import pytest
 
 from jobs.models import Job, Run, RunState
 from jobs.services import job_create, job_pause
-from tests.conftest import job_spec
-from tests.faults.helpers import owner
+from tests.factories import job_spec, owner
 from tests.processes import wait_for
 
 pytestmark = pytest.mark.slow

@@ -17,7 +17,7 @@ from dispatch.scheduler import SchedulerConfig, scheduler_run_once
 from jobs.models import Attempt, AttemptState, OutboxMessage, OutboxState, Run, RunState
 from jobs.services import run_cancel_request
 from jobs.transitions import attempt_renew_lease, attempt_succeed, run_claim
-from tests.conftest import PINNED_NOW
+from tests.factories import PINNED_NOW
 from tests.threads import in_thread, wait_for_lock_waiters
 
 NOW = PINNED_NOW

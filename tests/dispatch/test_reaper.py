@@ -25,7 +25,7 @@ from jobs.models import (
 )
 from jobs.services import attempt_record_failure, run_replay_request
 from jobs.transitions import attempt_renew_lease, attempt_succeed, run_claim
-from tests.conftest import PINNED_NOW
+from tests.factories import PINNED_NOW
 from tests.threads import in_thread, wait_for_lock_waiters
 
 NOW = PINNED_NOW

@@ -7,22 +7,9 @@ import pytest
 from dispatch.runtime import StaleAttempt, run_execute_delivery
 from dispatch.scheduler import SchedulerConfig, scheduler_run_once
 from jobs.models import Attempt, AttemptState, AuditEvent, Counter, Effect, Run, RunState
+from tests.factories import PINNED_NOW
 
-NOW = dt.datetime(2030, 1, 1, 12, 0, tzinfo=dt.UTC)
-
-
-@pytest.fixture
-def queued_run(make_job):
-    def make(**overrides):
-        job = make_job(
-            now=NOW - dt.timedelta(minutes=1),
-            schedule={"kind": "once", "run_at": NOW.isoformat()},
-            **overrides,
-        )
-        scheduler_run_once(now=NOW, config=SchedulerConfig())
-        return Run.objects.get(job=job)
-
-    return make
+NOW = PINNED_NOW  # the clock of conftest's queued_run
 
 
 def _counter(name: str) -> int:

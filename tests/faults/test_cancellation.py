@@ -4,8 +4,9 @@ with real scheduler, relay and worker processes and the REST API."""
 import pytest
 
 from jobs.models import AttemptState, OutboxMessage, Run, RunState
+from tests.factories import one_time_job, owner
 from tests.fault_tasks import EFFECT_COUNTER, effect_labels
-from tests.faults.helpers import counter, one_time_job, owner
+from tests.faults.helpers import counter
 from tests.faults.invariants import invariant_violations
 from tests.processes import wait_for
 

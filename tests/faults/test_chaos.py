@@ -15,7 +15,8 @@ from django.db.models import Count
 
 from jobs.models import Counter, Run, RunState
 from jobs.transitions import TERMINAL_RUN_STATES
-from tests.faults.helpers import counter, one_time_job
+from tests.factories import one_time_job
+from tests.faults.helpers import counter
 from tests.faults.invariants import invariant_violations
 from tests.processes import wait_for
 

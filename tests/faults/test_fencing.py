@@ -6,8 +6,9 @@ import signal
 import pytest
 
 from jobs.models import AttemptState, AuditEvent, Effect, Run, RunState
+from tests.factories import one_time_job
 from tests.fault_tasks import EFFECT_COUNTER, effect_labels
-from tests.faults.helpers import counter, one_time_job
+from tests.faults.helpers import counter
 from tests.faults.invariants import invariant_violations
 from tests.processes import wait_for
 

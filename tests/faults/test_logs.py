@@ -9,7 +9,7 @@ import pytest
 from jobs.models import AttemptState, Counter, Run, RunState
 from logs_app.models import LogChunk, LogManifest
 from logs_app.store import chunk_lines
-from tests.faults.helpers import one_time_job
+from tests.factories import one_time_job
 from tests.faults.invariants import invariant_violations
 from tests.processes import wait_for
 

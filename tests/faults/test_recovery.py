@@ -6,7 +6,8 @@ import subprocess
 import pytest
 
 from jobs.models import AttemptState, AuditEvent, FailureReason, OutboxMessage, Run, RunState
-from tests.faults.helpers import counter, one_time_job
+from tests.factories import one_time_job
+from tests.faults.helpers import counter
 from tests.faults.invariants import invariant_violations
 from tests.processes import purge_queue, wait_for
 

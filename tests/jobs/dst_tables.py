@@ -1,6 +1,6 @@
 """The DST tables of docs/time.md, computed by jobs.schedules itself.
 
-`python -m tests.jobs.dst_tables` prints them; tests/jobs/test_dst_tables.py fails when the
+`python -m tests.jobs.dst_tables` prints them; tests/jobs/test_schedules_dst.py fails when the
 document and the implementation disagree, so the tables in the docs stay true.
 """
 

@@ -11,20 +11,12 @@ import threading
 import pytest
 from django.db import connection, connections, transaction
 from django.utils import timezone
-from rest_framework.authtoken.models import Token
-from rest_framework.test import APIClient
 
 from jobs.models import IdempotencyRecord, Job, JobVersion
-from tests.jobs.test_api_validation import valid_body
+from tests.factories import api_client, job_body
 from tests.threads import wait_for_lock_waiters
 
 pytestmark = pytest.mark.django_db(transaction=True)
-
-
-def client_for(user) -> APIClient:
-    client = APIClient()
-    client.credentials(HTTP_AUTHORIZATION=f"Token {Token.objects.get_or_create(user=user)[0].key}")
-    return client
 
 
 def in_threads(*requests) -> list:
@@ -44,11 +36,11 @@ def in_threads(*requests) -> list:
 
 
 def test_two_concurrent_patches_of_one_version_one_wins_one_gets_412(user):
-    client = client_for(user)
-    job = client.post("/api/v1/jobs/", valid_body(), format="json").json()
+    client = api_client(user)
+    job = client.post("/api/v1/jobs/", job_body(), format="json").json()
 
     def rename(name):
-        return lambda: client_for(user).patch(
+        return lambda: api_client(user).patch(
             f"/api/v1/jobs/{job['id']}/", {"name": name}, format="json", HTTP_IF_MATCH="1"
         )
 
@@ -70,8 +62,8 @@ def test_two_concurrent_patches_of_one_version_one_wins_one_gets_412(user):
 
 def test_two_concurrent_creations_with_one_key_make_one_job(user):
     def post():
-        return client_for(user).post(
-            "/api/v1/jobs/", valid_body(), format="json", HTTP_IDEMPOTENCY_KEY="same"
+        return api_client(user).post(
+            "/api/v1/jobs/", job_body(), format="json", HTTP_IDEMPOTENCY_KEY="same"
         )
 
     with transaction.atomic():

@@ -8,16 +8,21 @@ import datetime as dt
 import pytest
 from django.db import IntegrityError, transaction
 
+from dispatch.scheduler import SchedulerConfig, scheduler_run_once
 from jobs.keys import backfill_key
 from jobs.models import AuditEvent, Job, JobState, JobVersion, OutboxMessage, Run, RunKind, RunState
+from jobs.schedules import ScheduleError
 from jobs.services import (
     job_backfill,
     job_cancel,
     job_delete,
+    job_pause,
+    job_resume,
     job_trigger,
     job_update,
     spec_diff,
 )
+from jobs.validation import job_patched_spec
 
 NOW = dt.datetime(2030, 1, 1, tzinfo=dt.UTC)
 HOURLY = {"kind": "cron", "expression": "0 * * * *", "timezone": "UTC"}
@@ -97,3 +102,96 @@ def test_spec_diff_names_nested_fields_and_treats_labels_whole():
         {"field": "retry.max_attempts", "from": 3, "to": 5},
     ]
     assert spec_diff(before, before) == []
+
+
+T0 = dt.datetime(2030, 1, 1, 0, 0, tzinfo=dt.UTC)
+H = dt.timedelta(hours=1)
+CONFIG = SchedulerConfig()
+
+
+def run_once(now: dt.datetime):
+    return scheduler_run_once(now=now, config=CONFIG)
+
+
+def runs_of(job) -> list[tuple[dt.datetime, str]]:
+    return list(
+        Run.objects.filter(job=job, kind=RunKind.SCHEDULED)
+        .order_by("scheduled_for")
+        .values_list("scheduled_for", "state")
+    )
+
+
+def patch(job, user, now, **fields) -> Job:
+    job.refresh_from_db()
+    spec = job_patched_spec(spec=job.spec, patch=fields)
+    assert job_update(job=job, spec=spec, expected_version=job.version, actor=user, now=now)
+    job.refresh_from_db()
+    return job
+
+
+@pytest.mark.parametrize("policy", ["run_all", "skip"])
+def test_a_schedule_patch_while_paused_leaves_the_missed_occurrences_to_the_misfire_policy(
+    make_job, user, policy
+):
+    job = make_job(now=T0 - dt.timedelta(minutes=30), schedule=HOURLY, misfire={"policy": policy})
+    run_once(T0 + dt.timedelta(seconds=1))  # 00:00 runs
+    job_pause(job=job, actor=user, now=T0 + dt.timedelta(minutes=30))
+    now = T0 + 3 * H + dt.timedelta(minutes=10)
+    job = patch(job, user, now, end_at="2031-01-01T00:00:00Z")
+    assert job.next_run_at == T0 + H  # not 04:00: 01:00-03:00 are still to be decided
+    job_resume(job=job, actor=user, now=now)
+    run_once(now + dt.timedelta(seconds=1))
+    missed = {RunState.QUEUED if policy == "run_all" else RunState.SKIPPED}
+    assert [at for at, _ in runs_of(job)] == [T0, T0 + H, T0 + 2 * H, T0 + 3 * H]
+    assert {state for at, state in runs_of(job) if at > T0} == missed
+
+
+def test_a_schedule_patch_just_after_an_occurrence_does_not_lose_it(make_job, user):
+    job = make_job(now=T0 - dt.timedelta(minutes=30), schedule=HOURLY)
+    run_once(T0 + dt.timedelta(seconds=1))
+    now = T0 + H + dt.timedelta(seconds=5)  # 01:00 due, not yet materialized
+    patch(job, user, now, dst={"gap": "skip", "fold": "first"})
+    run_once(now + dt.timedelta(seconds=1))
+    assert (T0 + H, RunState.QUEUED) in runs_of(job)
+
+
+def test_a_schedule_patch_before_the_next_occurrence_moves_it_from_now(make_job, user):
+    job = make_job(now=T0 - dt.timedelta(minutes=30), schedule=HOURLY)
+    run_once(T0 + dt.timedelta(seconds=1))
+    job = patch(
+        job, user, T0 + dt.timedelta(minutes=10), schedule=HOURLY | {"expression": "30 * * * *"}
+    )
+    assert job.next_run_at == T0 + dt.timedelta(minutes=30)
+
+
+def test_resume_is_refused_while_the_schedule_cannot_be_evaluated(api, make_job, user):
+    job = make_job(now=T0, schedule=HOURLY)
+    broken = job.spec | {"schedule": HOURLY | {"timezone": "Gone/Zone"}}
+    Job.objects.filter(id=job.id).update(spec=broken)
+    JobVersion.objects.filter(job=job).update(spec=broken)
+    run_once(T0)
+    job.refresh_from_db()
+    assert job.state == JobState.PAUSED and job.next_run_at is None
+    with pytest.raises(ScheduleError):
+        job_resume(job=job, actor=user, now=T0 + H)
+    job.refresh_from_db()
+    assert job.state == JobState.PAUSED
+    r = api.post(f"/api/v1/jobs/{job.id}/resume/")
+    assert r.status_code == 409 and "PATCH its schedule" in r.json()["detail"]
+    # A PATCH of the schedule and a resume bring it back.
+    job = patch(job, user, T0 + H + dt.timedelta(minutes=10), schedule=HOURLY)
+    assert job.next_run_at == T0 + 2 * H
+    assert job_resume(job=job, actor=user, now=T0 + H + dt.timedelta(minutes=10))
+    job.refresh_from_db()
+    assert job.state == JobState.ACTIVE and job.next_run_at == T0 + 2 * H
+
+
+def test_resume_after_a_passing_schedule_error_goes_on_after_the_last_run(make_job, user):
+    job = make_job(now=T0, schedule=HOURLY)
+    run_once(T0)
+    job_pause(job=job, actor=user, now=T0 + dt.timedelta(minutes=1))
+    Job.objects.filter(id=job.id).update(next_run_at=None)  # as the error path leaves it
+    job.refresh_from_db()
+    assert job_resume(job=job, actor=user, now=T0 + 3 * H + dt.timedelta(minutes=5))
+    job.refresh_from_db()
+    assert job.next_run_at == T0 + H  # the misfire policy sees 01:00-03:00

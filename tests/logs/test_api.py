@@ -12,25 +12,18 @@ from django.contrib.auth import get_user_model
 from django.contrib.auth.models import Group
 from django.db import transaction
 from django.urls import reverse
-from rest_framework.authtoken.models import Token
 from rest_framework.test import APIClient
 
 from dispatch.runtime import run_execute_delivery
 from dispatch.scheduler import SchedulerConfig, scheduler_run_once
 from jobs.models import Attempt, AttemptState, Run, RunState
-from jobs.transitions import attempt_succeed, run_claim
+from jobs.transitions import attempt_succeed
 from logs_app import selectors as logs_selectors
 from logs_app.store import Chunk, chunk_ship, logs_prepare, logs_seal
-from tests.conftest import PINNED_NOW
+from tests.factories import PINNED_NOW, api_client, running_attempt
 from tests.threads import in_thread
 
 NOW = PINNED_NOW  # the clock of conftest's queued_run
-
-
-def running_attempt(queued_run, **overrides) -> Attempt:
-    """A claimed run's attempt, running, that the test ships chunks for by hand."""
-    run = queued_run(**overrides)
-    return run_claim(run_id=run.id, worker="test", now=NOW, lease_seconds=300)
 
 
 def log_lines(first: int, count: int, text: str = "line", width: int = 0) -> list[dict]:
@@ -65,12 +58,6 @@ def succeed(attempt: Attempt, last_chunks: list[Chunk] = ()) -> None:
 
 def logs_url(run_id) -> str:
     return reverse("run-logs", args=[run_id])
-
-
-def client_for(user) -> APIClient:
-    client = APIClient()
-    client.credentials(HTTP_AUTHORIZATION=f"Token {Token.objects.create(user=user).key}")
-    return client
 
 
 @pytest.mark.django_db(transaction=True)
@@ -127,8 +114,8 @@ def test_only_the_owner_staff_and_operators_see_the_logs(queued_run, other_user)
     url = logs_url(attempt.run_id)
     owner = attempt.run.job.owner
 
-    assert client_for(owner).get(url).status_code == 200
-    stranger = client_for(other_user)
+    assert api_client(owner).get(url).status_code == 200
+    stranger = api_client(other_user)
     assert stranger.get(url).status_code == 404
     assert stranger.get(url, {"attempt": 1}).status_code == 404
     assert stranger.get(url, {"format": "text"}).status_code == 404
@@ -137,7 +124,7 @@ def test_only_the_owner_staff_and_operators_see_the_logs(queued_run, other_user)
     other_user.groups.add(Group.objects.get_or_create(name="operators")[0])
     assert [line["n"] for line in stranger.get(url).json()["lines"]] == [0, 1, 2]
     staff = get_user_model().objects.create_user("staff-logs", is_staff=True)
-    assert client_for(staff).get(url).status_code == 200
+    assert api_client(staff).get(url).status_code == 200
 
 
 @pytest.mark.django_db

@@ -12,7 +12,7 @@ from jobs.models import Run, RunState
 from logs_app.models import LogChunk, LogManifest
 from logs_app.redaction import redact
 from logs_app.store import chunk_lines
-from tests.conftest import PINNED_NOW
+from tests.factories import PINNED_NOW
 
 NOW = PINNED_NOW
 

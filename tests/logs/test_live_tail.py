@@ -6,10 +6,9 @@ import time
 
 import pytest
 import requests
-from rest_framework.authtoken.models import Token
 
 from jobs.models import Attempt, Run, RunState
-from tests.faults.helpers import one_time_job, owner
+from tests.factories import one_time_job, owner, token_for
 from tests.processes import wait_for
 
 pytestmark = pytest.mark.slow
@@ -21,7 +20,7 @@ def test_following_a_running_attempt_sees_lines_within_two_seconds(
     stack.scheduler()
     stack.relay()
     stack.worker()
-    token = Token.objects.create(user=owner()).key
+    token = token_for(owner())
     job = one_time_job(task="faults.chatty", args=[20, 6.0])
     run = wait_for(lambda: Run.objects.filter(job=job).first(), timeout=30, message="the run")
     wait_for(lambda: Attempt.objects.filter(run=run).exists(), timeout=30,

@@ -1,6 +1,6 @@
-"""The scheduler applies each job's policies: misfire after an outage or a pause, overlap
-with a run still active, jitter, pause_after_failures, and the end of a schedule. Every
-pass is called directly with a pinned clock."""
+"""The materializer applies each job's policies (jobs.policies): misfire after an outage or
+a pause, overlap with a run still active, jitter, pause_after_failures, and the end of a
+schedule. Every pass is called directly with a pinned clock."""
 
 from __future__ import annotations
 

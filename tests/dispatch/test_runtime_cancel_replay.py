@@ -31,7 +31,7 @@ from jobs.models import (
     RunState,
 )
 from jobs.transitions import attempt_fail, attempt_succeed, run_claim
-from tests.conftest import PINNED_NOW
+from tests.factories import PINNED_NOW
 
 NOW = PINNED_NOW
 LEASE = 30.0

@@ -1,12 +1,16 @@
-"""The job lifecycle through the API: versions and If-Match, pause/resume/trigger/backfill,
-soft delete, history, idempotency keys, list filters and the schedule preview."""
+"""The REST API (jobs.api): reads scoped to the owner, versions and If-Match,
+pause/resume/trigger/backfill, soft delete, history, idempotency keys, list filters and
+the schedule preview."""
 
 from __future__ import annotations
 
 import datetime as dt
 
 import pytest
+from drf_spectacular.generators import SchemaGenerator
+from rest_framework.test import APIClient
 
+from dispatch.scheduler import SchedulerConfig, scheduler_run_once
 from jobs.idempotency import IDEMPOTENCY_RETENTION, idempotency_prune
 from jobs.models import (
     AuditEvent,
@@ -17,9 +21,11 @@ from jobs.models import (
     OutboxMessage,
     Run,
     RunKind,
+    RunState,
 )
 from jobs.schedules import BACKFILL_MAX_RUNS
-from tests.jobs.test_api_validation import assert_nothing_created, valid_body
+from tests.factories import job_body
+from tests.jobs.test_validation import assert_nothing_created
 
 pytestmark = pytest.mark.django_db
 JOBS = "/api/v1/jobs/"
@@ -27,7 +33,7 @@ DAILY = {"kind": "cron", "expression": "0 9 * * *", "timezone": "UTC"}
 
 
 def create(api, **overrides) -> dict:
-    response = api.post(JOBS, valid_body(**overrides), format="json")
+    response = api.post(JOBS, job_body(**overrides), format="json")
     assert response.status_code == 201, response.content
     return response.json()
 
@@ -273,7 +279,7 @@ def test_other_owners_jobs_answer_404_to_every_action(api, make_job, other_user)
 
 
 def test_same_key_same_body_returns_the_original_job(api):
-    body = valid_body()
+    body = job_body()
     first = api.post(JOBS, body, format="json", HTTP_IDEMPOTENCY_KEY="k-1")
     again = api.post(JOBS, body, format="json", HTTP_IDEMPOTENCY_KEY="k-1")
     assert (first.status_code, again.status_code) == (201, 201)
@@ -283,8 +289,8 @@ def test_same_key_same_body_returns_the_original_job(api):
 
 
 def test_same_key_other_body_is_409_and_creates_nothing(api):
-    api.post(JOBS, valid_body(), format="json", HTTP_IDEMPOTENCY_KEY="k-1")
-    response = api.post(JOBS, valid_body(name="other"), format="json", HTTP_IDEMPOTENCY_KEY="k-1")
+    api.post(JOBS, job_body(), format="json", HTTP_IDEMPOTENCY_KEY="k-1")
+    response = api.post(JOBS, job_body(name="other"), format="json", HTTP_IDEMPOTENCY_KEY="k-1")
     assert response.status_code == 409
     assert "Idempotency-Key" in response.json()["detail"]
     assert Job.objects.count() == 1
@@ -296,19 +302,19 @@ def test_keys_are_per_owner_and_per_operation(api, user, other_user):
 
     other = APIClient()
     other.credentials(HTTP_AUTHORIZATION=f"Token {Token.objects.create(user=other_user).key}")
-    mine = api.post(JOBS, valid_body(), format="json", HTTP_IDEMPOTENCY_KEY="shared").json()
-    theirs = other.post(JOBS, valid_body(), format="json", HTTP_IDEMPOTENCY_KEY="shared").json()
+    mine = api.post(JOBS, job_body(), format="json", HTTP_IDEMPOTENCY_KEY="shared").json()
+    theirs = other.post(JOBS, job_body(), format="json", HTTP_IDEMPOTENCY_KEY="shared").json()
     assert mine["id"] != theirs["id"]
     trigger = api.post(url(mine, "trigger"), format="json", HTTP_IDEMPOTENCY_KEY="shared")
     assert trigger.status_code == 201
 
 
 def test_a_failed_request_does_not_burn_its_key(api):
-    bad = api.post(JOBS, valid_body(timeout_seconds=-1), format="json", HTTP_IDEMPOTENCY_KEY="k")
+    bad = api.post(JOBS, job_body(timeout_seconds=-1), format="json", HTTP_IDEMPOTENCY_KEY="k")
     assert bad.status_code == 400
     assert_nothing_created()
     assert not IdempotencyRecord.objects.exists()
-    assert api.post(JOBS, valid_body(), format="json", HTTP_IDEMPOTENCY_KEY="k").status_code == 201
+    assert api.post(JOBS, job_body(), format="json", HTTP_IDEMPOTENCY_KEY="k").status_code == 201
 
 
 def test_trigger_replay_returns_the_same_run(api):
@@ -335,17 +341,17 @@ def test_backfill_replay_returns_the_same_answer_and_other_window_conflicts(api)
 
 @pytest.mark.parametrize("key", ["", "x" * 201, "tab\there"])
 def test_a_malformed_key_is_400_naming_the_header(api, key):
-    response = api.post(JOBS, valid_body(), format="json", HTTP_IDEMPOTENCY_KEY=key)
+    response = api.post(JOBS, job_body(), format="json", HTTP_IDEMPOTENCY_KEY=key)
     assert response.status_code == 400
     assert "Idempotency-Key" in response.json()
     assert_nothing_created()
 
 
 def test_an_expired_key_is_forgotten_and_pruned_in_bounded_batches(api, user):
-    first = api.post(JOBS, valid_body(), format="json", HTTP_IDEMPOTENCY_KEY="old").json()
+    first = api.post(JOBS, job_body(), format="json", HTTP_IDEMPOTENCY_KEY="old").json()
     old = dt.datetime.now(dt.UTC) - IDEMPOTENCY_RETENTION - dt.timedelta(minutes=1)
     IdempotencyRecord.objects.update(created_at=old)
-    second = api.post(JOBS, valid_body(), format="json", HTTP_IDEMPOTENCY_KEY="old").json()
+    second = api.post(JOBS, job_body(), format="json", HTTP_IDEMPOTENCY_KEY="old").json()
     assert second["id"] != first["id"]  # past retention, the key is new again
     for index in range(3):
         IdempotencyRecord.objects.create(
@@ -492,3 +498,132 @@ def test_bad_preview_is_400_naming_the_field(api, body, field):
     response = api.post(PREVIEW, body, format="json")
     assert response.status_code == 400
     assert field in response.json()
+
+
+T0 = dt.datetime(2030, 1, 1, 0, 0, tzinfo=dt.UTC)
+H = dt.timedelta(hours=1)
+HOURLY = {"kind": "cron", "expression": "0 * * * *", "timezone": "UTC"}
+CONFIG = SchedulerConfig()
+
+
+def run_once(now: dt.datetime):
+    return scheduler_run_once(now=now, config=CONFIG)
+
+
+def test_the_api_shows_a_skipped_runs_reason(api, make_job):
+    job = make_job(now=T0 - dt.timedelta(minutes=30), schedule=HOURLY, misfire={"policy": "skip"})
+    run_once(T0 + 3 * H)
+    run = Run.objects.filter(job=job, state=RunState.SKIPPED).first()
+    body = api.get(f"/api/v1/runs/{run.id}/").json()
+    assert body["skip_reason"].startswith("misfire: missed by")
+    listed = api.get(f"/api/v1/jobs/{job.id}/runs/").json()["results"]
+    skipped = Run.objects.filter(job=job, state=RunState.SKIPPED)
+    assert {item["skip_reason"] for item in listed if item["state"] == "skipped"} == {
+        run.skip_reason for run in skipped
+    }
+
+
+def test_a_backfill_from_year_one_is_a_400_on_start(api):
+    job = api.post(
+        "/api/v1/jobs/", job_body(schedule={"kind": "cron", "expression": "0 0 1 1 *"}),
+        format="json",
+    ).json()  # fmt: skip
+    r = api.post(
+        f"/api/v1/jobs/{job['id']}/backfill/",
+        {"start": "0001-01-01T00:00:00Z", "end": "0001-01-02T00:00:00Z"},
+        format="json",
+    )
+    assert r.status_code == 400
+    assert "cannot be evaluated" in r.json()["start"][0]
+
+
+def test_an_interval_backfill_before_the_jobs_creation_extends_its_grid_backwards(api):
+    job = api.post(
+        "/api/v1/jobs/", job_body(schedule={"kind": "interval", "every_seconds": 3600}),
+        format="json",
+    ).json()  # fmt: skip
+    created_at = dt.datetime.fromisoformat(job["created_at"])
+    start, end = created_at - dt.timedelta(days=1), created_at - dt.timedelta(minutes=1)
+    r = api.post(
+        f"/api/v1/jobs/{job['id']}/backfill/",
+        {"start": start.isoformat(), "end": end.isoformat()},
+        format="json",
+    )
+    assert r.status_code == 201
+    runs = Run.objects.filter(id__in=r.json()["created"])
+    assert len(runs) == 24
+    # On the job's own grid: a whole number of periods before its creation.
+    assert {(created_at - run.scheduled_for) % dt.timedelta(hours=1) for run in runs} == {
+        dt.timedelta(0)
+    }
+
+
+@pytest.mark.parametrize("body", [{}, {"name": "nightly report"}])
+def test_a_patch_that_changes_nothing_makes_no_version(api, body):
+    job = api.post("/api/v1/jobs/", job_body(), format="json").json()
+    r = api.patch(f"/api/v1/jobs/{job['id']}/", body, format="json", HTTP_IF_MATCH="1")
+    assert r.status_code == 200
+    assert r.json()["version"] == 1
+    assert JobVersion.objects.filter(job_id=job["id"]).count() == 1
+    assert not AuditEvent.objects.filter(job_id=job["id"], action="job.updated").exists()
+
+
+def test_a_patch_of_a_cancelled_job_is_409_whatever_the_body(api):
+    job = api.post("/api/v1/jobs/", job_body(), format="json").json()
+    api.post(f"/api/v1/jobs/{job['id']}/cancel/")
+    r = api.patch(f"/api/v1/jobs/{job['id']}/", {"timeout_seconds": -1}, format="json")
+    assert r.status_code == 409
+    assert r.json()["state"] == "cancelled"
+
+
+def test_the_job_run_list_schema_has_no_job_filter():
+    schema = SchemaGenerator().get_schema(request=None, public=True)
+    job_runs = [
+        p["name"] for p in schema["paths"]["/api/v1/jobs/{job_id}/runs/"]["get"]["parameters"]
+    ]
+    all_runs = [p["name"] for p in schema["paths"]["/api/v1/runs/"]["get"]["parameters"]]
+    assert "job" not in job_runs and "state" in job_runs
+    assert "job" in all_runs
+
+
+@pytest.mark.django_db
+def test_unauthenticated_request_answers_401():
+    response = APIClient().post(JOBS, job_body(), format="json")
+    assert response.status_code == 401
+    assert APIClient().get(JOBS).status_code == 401
+    assert_nothing_created()
+
+
+@pytest.mark.django_db
+def test_another_users_job_answers_404(api, make_job, other_user):
+    theirs = make_job(owner=other_user)
+    assert api.get(f"{JOBS}{theirs.id}/").status_code == 404
+    assert api.get(f"{JOBS}{theirs.id}/runs/").status_code == 404
+    assert api.get(JOBS).json()["results"] == []
+
+
+@pytest.mark.django_db
+def test_own_job_is_visible(api, make_job):
+    """The counterpart of the 404 above: the same request for one's own job answers 200."""
+    mine = make_job()
+    response = api.get(f"{JOBS}{mine.id}/")
+    assert response.status_code == 200
+    assert response.json()["id"] == str(mine.id)
+
+
+@pytest.mark.django_db
+def test_another_users_runs_are_not_listed(api, make_job, other_user):
+    make_job(owner=other_user, now=dt.datetime(2029, 12, 31, tzinfo=dt.UTC))
+    scheduler_run_once(
+        now=dt.datetime(2030, 1, 1, 0, 0, 1, tzinfo=dt.UTC), config=SchedulerConfig()
+    )
+    their_run = Run.objects.get()
+    assert api.get("/api/v1/runs/").json()["results"] == []
+    assert api.get(f"/api/v1/runs/{their_run.id}/").status_code == 404
+
+
+@pytest.mark.django_db
+def test_schema_is_served_to_an_authenticated_user(api):
+    response = api.get("/api/schema/")
+    assert response.status_code == 200
+    assert b"/api/v1/jobs/" in response.content

@@ -1,0 +1,115 @@
+"""Every builder of test data: job bodies and specs, jobs, queued runs and running attempts,
+users and their API tokens. Fixtures (tests/conftest.py) and tests call these; no test
+module keeps a copy of its own."""
+
+from __future__ import annotations
+
+import datetime as dt
+
+from django.contrib.auth import get_user_model
+from rest_framework.authtoken.models import Token
+from rest_framework.test import APIClient
+
+# The instant in-process tests pin their clocks to (far from any real clock's reach).
+PINNED_NOW = dt.datetime(2030, 1, 1, 12, 0, tzinfo=dt.UTC)
+
+# The run_at of a default job body.
+RUN_AT = "2030-01-01T00:00:00Z"
+
+
+# --- users and tokens ------------------------------------------------------------------
+
+
+def owner(name: str = "faults"):
+    """The user named `name`, created on first use."""
+    return get_user_model().objects.get_or_create(username=name)[0]
+
+
+def token_for(user) -> str:
+    """The user's API token (created on first use)."""
+    return Token.objects.get_or_create(user=user)[0].key
+
+
+def api_client(user) -> APIClient:
+    """An in-process API client authenticated by the user's token."""
+    client = APIClient()
+    client.credentials(HTTP_AUTHORIZATION=f"Token {token_for(user)}")
+    return client
+
+
+# --- job bodies and specs --------------------------------------------------------------
+
+
+def job_body(**overrides) -> dict:
+    """A valid job body as a client sends it (not validated), with `overrides` applied."""
+    return {
+        "name": "nightly report",
+        "task": "tests.record",
+        "schedule": {"kind": "once", "run_at": RUN_AT},
+        **overrides,
+    }
+
+
+def job_spec(**overrides) -> dict:
+    """A valid job body, validated as the API would, with `overrides` applied first."""
+    from jobs.validation import JobSpecSerializer
+
+    serializer = JobSpecSerializer(data=job_body(**{"name": "test job", **overrides}))
+    serializer.is_valid(raise_exception=True)
+    return dict(serializer.validated_data)
+
+
+# --- jobs, runs and attempts -----------------------------------------------------------
+
+
+def make_job(owner, *, now: dt.datetime | None = None, **overrides):
+    """A job of `owner` created through the service layer at `now` (default: the real now)."""
+    from jobs.services import job_create
+
+    return job_create(owner=owner, spec=job_spec(**overrides), now=now or dt.datetime.now(dt.UTC))
+
+
+def one_time_job(*, task: str, due_in: float = 0.0, args=(), **overrides):
+    """A one-time job of `owner()` due `due_in` seconds from the real now."""
+    now = dt.datetime.now(dt.UTC)
+    return make_job(
+        owner(),
+        now=now,
+        task=task,
+        args=list(args),
+        schedule={"kind": "once", "run_at": (now + dt.timedelta(seconds=due_in)).isoformat()},
+        **overrides,
+    )
+
+
+def queued_run(
+    owner,
+    *,
+    run_at: dt.datetime = PINNED_NOW,
+    created: dt.datetime | None = None,
+    materialize_at: dt.datetime | None = None,
+    **overrides,
+):
+    """A one-time job due at `run_at` (created at `created`, default a minute before),
+    materialized by the scheduler at `materialize_at` (default `run_at`): its run is queued,
+    with its outbox row pending."""
+    from dispatch.scheduler import SchedulerConfig, scheduler_run_once
+    from jobs.models import Run
+
+    job = make_job(
+        owner,
+        now=created or run_at - dt.timedelta(minutes=1),
+        schedule={"kind": "once", "run_at": run_at.isoformat()},
+        **overrides,
+    )
+    scheduler_run_once(now=materialize_at or run_at, config=SchedulerConfig())
+    return Run.objects.select_related("job_version").get(job=job)
+
+
+def running_attempt(queued_run, **overrides):
+    """A claimed run's attempt, running (claimed at PINNED_NOW); `queued_run` is the
+    fixture's maker."""
+    from jobs.transitions import run_claim
+
+    run = queued_run(**overrides)
+    return run_claim(run_id=run.id, worker="test", now=PINNED_NOW, lease_seconds=300)
