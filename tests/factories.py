@@ -113,3 +113,33 @@ def running_attempt(queued_run, **overrides):
 
     run = queued_run(**overrides)
     return run_claim(run_id=run.id, worker="test", now=PINNED_NOW, lease_seconds=300)
+
+
+def scheduler_pass(now: dt.datetime):
+    """One pass of the scheduler with a pinned clock."""
+    from dispatch.scheduler import SchedulerConfig, scheduler_run_once
+
+    return scheduler_run_once(now=now, config=SchedulerConfig())
+
+
+def scheduled_runs(job) -> list[tuple[dt.datetime, str]]:
+    """(scheduled_for, state) of the job's scheduled runs, in order."""
+    from jobs.models import Run, RunKind
+
+    return list(
+        Run.objects.filter(job=job, kind=RunKind.SCHEDULED)
+        .order_by("scheduled_for")
+        .values_list("scheduled_for", "state")
+    )
+
+
+def job_patch(job, user, now, **fields):
+    """PATCH a job through the services, validated as the API would."""
+    from jobs.services import job_update
+    from jobs.validation import job_patched_spec
+
+    job.refresh_from_db()
+    spec = job_patched_spec(spec=job.spec, patch=fields)
+    assert job_update(job=job, spec=spec, expected_version=job.version, actor=user, now=now)
+    job.refresh_from_db()
+    return job

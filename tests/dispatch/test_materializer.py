@@ -9,13 +9,13 @@ import datetime as dt
 import pytest
 
 from dispatch.materializer import OCCURRENCES_PER_JOB_PER_PASS
-from dispatch.scheduler import SchedulerConfig, scheduler_run_once, scheduler_sleep_seconds
+from dispatch.scheduler import SchedulerConfig, scheduler_sleep_seconds
 from jobs.models import AttemptState, AuditEvent, Job, JobState, OutboxMessage, Run, RunState
 from jobs.policies import run_jitter
 from jobs.services import job_pause, job_resume, job_trigger
 from jobs.transitions import attempt_fail, attempt_succeed, run_claim
+from tests.factories import scheduler_pass as run_once
 
-CONFIG = SchedulerConfig()
 T0 = dt.datetime(2030, 1, 1, 0, 0, tzinfo=dt.UTC)
 HOURLY = {"kind": "cron", "expression": "0 * * * *", "timezone": "UTC"}
 MINUTE = dt.timedelta(minutes=1)
@@ -24,10 +24,6 @@ HOUR = dt.timedelta(hours=1)
 
 def at(hours: float = 0, minutes: float = 0, seconds: float = 0) -> dt.datetime:
     return T0 + dt.timedelta(hours=hours, minutes=minutes, seconds=seconds)
-
-
-def run_once(now: dt.datetime):
-    return scheduler_run_once(now=now, config=CONFIG)
 
 
 def runs_of(job) -> list[tuple[dt.datetime, str]]:

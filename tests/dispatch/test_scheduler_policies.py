@@ -7,26 +7,14 @@ import datetime as dt
 import pytest
 
 from dispatch import materializer as materializer_module
-from dispatch.scheduler import SchedulerConfig, scheduler_run_once
 from jobs.models import JobState, JobVersion, Run, RunKind, RunState
 from jobs.services import job_pause
+from tests.factories import scheduled_runs as runs_of
+from tests.factories import scheduler_pass as run_once
 
 T0 = dt.datetime(2030, 1, 1, 0, 0, tzinfo=dt.UTC)
 H = dt.timedelta(hours=1)
 HOURLY = {"kind": "cron", "expression": "0 * * * *", "timezone": "UTC"}
-CONFIG = SchedulerConfig()
-
-
-def run_once(now: dt.datetime):
-    return scheduler_run_once(now=now, config=CONFIG)
-
-
-def runs_of(job) -> list[tuple[dt.datetime, str]]:
-    return list(
-        Run.objects.filter(job=job, kind=RunKind.SCHEDULED)
-        .order_by("scheduled_for")
-        .values_list("scheduled_for", "state")
-    )
 
 
 def _backlog(job, count: int) -> None:

@@ -25,6 +25,7 @@ from jobs.models import (
 )
 from jobs.schedules import BACKFILL_MAX_RUNS
 from tests.factories import job_body
+from tests.factories import scheduler_pass as run_once
 from tests.jobs.test_validation import assert_nothing_created
 
 pytestmark = pytest.mark.django_db
@@ -503,11 +504,6 @@ def test_bad_preview_is_400_naming_the_field(api, body, field):
 T0 = dt.datetime(2030, 1, 1, 0, 0, tzinfo=dt.UTC)
 H = dt.timedelta(hours=1)
 HOURLY = {"kind": "cron", "expression": "0 * * * *", "timezone": "UTC"}
-CONFIG = SchedulerConfig()
-
-
-def run_once(now: dt.datetime):
-    return scheduler_run_once(now=now, config=CONFIG)
 
 
 def test_the_api_shows_a_skipped_runs_reason(api, make_job):

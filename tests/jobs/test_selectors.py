@@ -3,27 +3,14 @@ versions. Clocks are pinned."""
 
 import datetime as dt
 
-from dispatch.scheduler import SchedulerConfig, scheduler_run_once
-from jobs.models import Job, Run
-from jobs.services import attempt_record_failure, job_update
+from jobs.models import Run
+from jobs.services import attempt_record_failure
 from jobs.transitions import run_claim
-from jobs.validation import job_patched_spec
+from tests.factories import job_patch as patch
+from tests.factories import scheduler_pass as run_once
 
 T0 = dt.datetime(2030, 1, 1, 0, 0, tzinfo=dt.UTC)
 H = dt.timedelta(hours=1)
-CONFIG = SchedulerConfig()
-
-
-def run_once(now: dt.datetime):
-    return scheduler_run_once(now=now, config=CONFIG)
-
-
-def patch(job, user, now, **fields) -> Job:
-    job.refresh_from_db()
-    spec = job_patched_spec(spec=job.spec, patch=fields)
-    assert job_update(job=job, spec=spec, expected_version=job.version, actor=user, now=now)
-    job.refresh_from_db()
-    return job
 
 
 def test_history_holds_the_events_of_the_jobs_runs(api, make_job):

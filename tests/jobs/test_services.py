@@ -8,7 +8,6 @@ import datetime as dt
 import pytest
 from django.db import IntegrityError, transaction
 
-from dispatch.scheduler import SchedulerConfig, scheduler_run_once
 from jobs.keys import backfill_key
 from jobs.models import AuditEvent, Job, JobState, JobVersion, OutboxMessage, Run, RunKind, RunState
 from jobs.schedules import ScheduleError
@@ -22,7 +21,9 @@ from jobs.services import (
     job_update,
     spec_diff,
 )
-from jobs.validation import job_patched_spec
+from tests.factories import job_patch as patch
+from tests.factories import scheduled_runs as runs_of
+from tests.factories import scheduler_pass as run_once
 
 NOW = dt.datetime(2030, 1, 1, tzinfo=dt.UTC)
 HOURLY = {"kind": "cron", "expression": "0 * * * *", "timezone": "UTC"}
@@ -106,27 +107,6 @@ def test_spec_diff_names_nested_fields_and_treats_labels_whole():
 
 T0 = dt.datetime(2030, 1, 1, 0, 0, tzinfo=dt.UTC)
 H = dt.timedelta(hours=1)
-CONFIG = SchedulerConfig()
-
-
-def run_once(now: dt.datetime):
-    return scheduler_run_once(now=now, config=CONFIG)
-
-
-def runs_of(job) -> list[tuple[dt.datetime, str]]:
-    return list(
-        Run.objects.filter(job=job, kind=RunKind.SCHEDULED)
-        .order_by("scheduled_for")
-        .values_list("scheduled_for", "state")
-    )
-
-
-def patch(job, user, now, **fields) -> Job:
-    job.refresh_from_db()
-    spec = job_patched_spec(spec=job.spec, patch=fields)
-    assert job_update(job=job, spec=spec, expected_version=job.version, actor=user, now=now)
-    job.refresh_from_db()
-    return job
 
 
 @pytest.mark.parametrize("policy", ["run_all", "skip"])
