@@ -3,6 +3,9 @@
 Filled by `dispatch.job_task` as the task modules are imported (dispatch's AppConfig.ready
 imports the built-in tasks and SCHEDULER_TASK_MODULES in every process), and read by the
 validation of a job body, so that an unknown task name is refused when the job is created.
+
+It imports no models, and neither does `jobs/__init__.py`: `dispatch` imports it while
+Django's apps are still loading.
 """
 
 from __future__ import annotations

@@ -50,7 +50,9 @@ def job_create(*, owner: AbstractBaseUser, spec: dict, now: dt.datetime) -> Job:
             created_at=now,
         )
         JobVersion.objects.create(job=job, version=job.version, spec=spec, created_by=owner)
-        audit_record(action="job.created", actor=owner, job_id=job.id, data={"version": 1})
+        audit_record(
+            action="job.created", actor=owner, job_id=job.id, data={"version": job.version}
+        )
     return job
 
 

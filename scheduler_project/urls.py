@@ -9,7 +9,7 @@ urlpatterns = [
     # The outbox, effects and counters moved from the dispatch app to jobs: old links work.
     path(
         "admin/dispatch/<path:rest>",
-        RedirectView.as_view(url="/admin/jobs/%(rest)s", permanent=True, query_string=True),
+        RedirectView.as_view(url="/admin/jobs/%(rest)s", permanent=False, query_string=True),
     ),
     path("admin/", admin.site.urls),
     path("api/v1/", include("jobs.urls")),

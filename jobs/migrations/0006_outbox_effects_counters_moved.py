@@ -12,6 +12,11 @@ def move_content_types(apps, schema_editor):
     ContentType.objects.filter(app_label="dispatch", model__in=MOVED).update(app_label="jobs")
 
 
+def move_content_types_back(apps, schema_editor):
+    ContentType = apps.get_model("contenttypes", "ContentType")
+    ContentType.objects.filter(app_label="jobs", model__in=MOVED).update(app_label="dispatch")
+
+
 class Migration(migrations.Migration):
 
     # The tables were created by the dispatch app; only Django's state moves (the tables,
@@ -24,7 +29,7 @@ class Migration(migrations.Migration):
     ]
 
     operations = [
-        migrations.RunPython(move_content_types, migrations.RunPython.noop),
+        migrations.RunPython(move_content_types, move_content_types_back),
         migrations.SeparateDatabaseAndState(state_operations=[
         migrations.CreateModel(
             name='Counter',

@@ -1,5 +1,9 @@
 """Every background concern's Config validates itself, naming the field out of range."""
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 from dispatch.completer import CompleterConfig
@@ -37,3 +41,25 @@ def test_the_defaults_are_valid():
     for config in (SchedulerConfig, MaterializerConfig, PromoterConfig, CompleterConfig,
                    PrunerConfig, ReaperConfig, ReconcileConfig, RelayConfig):  # fmt: skip
         config()
+
+
+@pytest.mark.parametrize(
+    "command, option, field",
+    [
+        ("scheduler", "--poll-interval", "poll_interval"),
+        ("scheduler", "--reconcile-interval", "poll_interval"),
+        ("relay", "--batch-size", "batch_size"),
+    ],
+)
+def test_a_command_refuses_an_option_out_of_range_with_a_message(command, option, field):
+    """A clear error and a non-zero exit, not a traceback from a thread."""
+    result = subprocess.run(
+        [sys.executable, "manage.py", command, option, "0", "--max-steps", "1"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=Path(__file__).resolve().parents[2],
+    )
+    assert result.returncode != 0
+    assert f"{field} must be" in result.stderr
+    assert "Traceback" not in result.stderr

@@ -1,5 +1,5 @@
 from django.conf import settings
-from django.core.management.base import BaseCommand
+from django.core.management.base import BaseCommand, CommandError
 
 from dispatch.loop import StopSignal, run_loop, run_once_step
 from dispatch.relay import ConfirmingPublisher, RelayConfig, relay_run_once
@@ -14,7 +14,10 @@ class Command(BaseCommand):
         parser.add_argument("--max-steps", type=int, default=None, help="stop after N steps")
 
     def handle(self, *args, batch_size, poll_interval, max_steps, **options):
-        config = RelayConfig(batch_size=batch_size, poll_interval=poll_interval)
+        try:
+            config = RelayConfig(batch_size=batch_size, poll_interval=poll_interval)
+        except ValueError as exc:
+            raise CommandError(str(exc)) from exc
         publisher = ConfirmingPublisher(
             settings.CELERY_BROKER_URL, settings.CELERY_BROKER_TRANSPORT_OPTIONS
         )

@@ -8,7 +8,7 @@ import threading
 from collections.abc import Callable
 
 from django.conf import settings
-from django.core.management.base import BaseCommand
+from django.core.management.base import BaseCommand, CommandError
 
 from dispatch.loop import StopSignal, run_loop, run_once_step
 from dispatch.pruner import PrunerConfig, pruner_run_once
@@ -52,7 +52,22 @@ class Command(BaseCommand):
         )
 
     def handle(self, *args, **options):
-        stop = StopSignal().install()
+        try:
+            loops = self.loops(options)
+        except ValueError as exc:  # a Config refusing an option's value
+            raise CommandError(str(exc)) from exc
+        self.stdout.write("scheduler started")
+        for loop in loops:
+            loop.start()
+        # The scheduler loop ends on SIGTERM or after --max-steps; the others follow it.
+        loops[0].join()
+        self.stop.event.set()
+        for loop in loops[1:]:
+            loop.join(timeout=30)
+
+    def loops(self, options: dict) -> list[threading.Thread]:
+        """The loops this process runs, by its options; ValueError for a value out of range."""
+        stop = self.stop = StopSignal().install()
         scheduler = SchedulerConfig(
             batch_size=options["batch_size"], poll_interval=options["poll_interval"]
         )
@@ -90,15 +105,14 @@ class Command(BaseCommand):
             step = run_once_step(reconcile_run_once, reconcile, queue_depth=depth)
             loops.append(self.loop("reconciler", step, stop, close=depth.close))
         if not options["without_pruner"]:
-            loops.append(self.loop("pruner", run_once_step(pruner_run_once, PrunerConfig()), stop))
-        self.stdout.write("scheduler started")
-        for loop in loops:
-            loop.start()
-        # The scheduler loop ends on SIGTERM or after --max-steps; the others follow it.
-        loops[0].join()
-        stop.event.set()
-        for loop in loops[1:]:
-            loop.join(timeout=30)
+            loops.append(
+                self.loop(
+                    "pruner",
+                    run_once_step(pruner_run_once, PrunerConfig(batch_size=options["batch_size"])),
+                    stop,
+                )
+            )
+        return loops
 
     def loop(
         self,
