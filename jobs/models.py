@@ -13,21 +13,22 @@ from django.utils import timezone
 
 
 class JobState(models.TextChoices):
-    """A job's lifecycle. `active` jobs are found by the scheduler through `job_due_idx`."""
+    """A job's lifecycle; each comment names what moves a job out of the state (every move
+    is a function of `jobs.transitions`). `active` jobs are found through `job_due_idx`."""
 
-    ACTIVE = "active"  # left by an operator (pause/cancel) or the end of its schedule
-    PAUSED = "paused"  # left by resume
+    ACTIVE = "active"  # pause, cancel (services); the completer once its schedule is over
+    PAUSED = "paused"  # resume, cancel (services)
     CANCELLED = "cancelled"  # terminal
-    COMPLETED = "completed"  # terminal: a one-time job whose run is terminal
+    COMPLETED = "completed"  # terminal: the schedule is over and no run is active
 
 
 class RunState(models.TextChoices):
-    """A run's lifecycle; each docstring names the component that moves a run out of it."""
+    """A run's lifecycle; each comment names the component that moves a run out of it."""
 
-    PENDING = "pending"  # held back (overlap, backpressure); released by the scheduler
-    QUEUED = "queued"  # outbox committed; the worker's claim moves it to running
-    RUNNING = "running"  # an attempt holds the lease; its completion moves it on
-    RETRY_WAIT = "retry_wait"  # the scheduler's retry promoter re-queues at next_attempt_at
+    PENDING = "pending"  # held back (jitter, buffer_one); dispatch.promoter queues it
+    QUEUED = "queued"  # outbox committed; the worker's claim (dispatch.runtime) runs it
+    RUNNING = "running"  # an attempt holds the lease; its outcome (worker, reaper) moves it
+    RETRY_WAIT = "retry_wait"  # dispatch.promoter re-queues it at next_attempt_at
     SUCCEEDED = "succeeded"  # terminal
     FAILED = "failed"  # terminal (dead letter); an operator replay may re-queue it
     CANCELLED = "cancelled"  # terminal; an operator replay may re-queue it
@@ -41,6 +42,8 @@ class RunKind(models.TextChoices):
 
 
 class FailureReason(models.TextChoices):
+    """Why a run ended `failed`; `jobs.retry.retry_decision` chooses it."""
+
     ERROR = "error"  # the handler raised NonRetryableError
     TIMEOUT = "timeout"  # the last attempt ran past timeout_seconds
     LOST = "lost"  # the last attempt's worker vanished (lease expired)
@@ -50,12 +53,14 @@ class FailureReason(models.TextChoices):
 
 
 class AttemptState(models.TextChoices):
-    RUNNING = "running"  # the worker's completion, or the reaper, moves it on
+    """An attempt's lifecycle, and the one vocabulary for how an attempt ended."""
+
+    RUNNING = "running"  # its worker's outcome, the reaper, or a cancel moves it on
     SUCCEEDED = "succeeded"
-    FAILED = "failed"
-    TIMED_OUT = "timed_out"
-    LOST = "lost"
-    CANCELLED = "cancelled"
+    FAILED = "failed"  # the handler raised
+    TIMED_OUT = "timed_out"  # past timeout_seconds (Celery's soft limit, or the reaper)
+    LOST = "lost"  # its lease expired (the reaper)
+    CANCELLED = "cancelled"  # the run was cancelled while it ran
 
 
 class Job(models.Model):
