@@ -1,8 +1,8 @@
 """Exceptions a handler may raise or meet; importable before Django's apps are ready."""
 
+from jobs.errors import StaleAttempt
 
-class StaleAttempt(Exception):
-    """This attempt no longer holds the run's current fencing token: it may change nothing."""
+__all__ = ["NonRetryableError", "StaleAttempt"]
 
 
 class NonRetryableError(Exception):

@@ -12,7 +12,7 @@ import threading
 import time
 import traceback
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import TypeVar
 
 from celery.exceptions import SoftTimeLimitExceeded
@@ -20,26 +20,21 @@ from django.db import DatabaseError, InterfaceError, OperationalError, connectio
 
 from jobs.clock import db_now
 from jobs.counters import counter_increment
-from jobs.models import Attempt, AttemptState, Effect, Run, RunState
+from jobs.effects import EffectRecord, effect_once
+from jobs.models import Attempt, AttemptState, Run, RunState
 from jobs.services import attempt_record_failure, run_record_duplicate_delivery
 from jobs.transitions import attempt_renew_lease, attempt_succeed, run_claim
 from logs_app.capture import LogCapture
 from logs_app.redaction import redact
 from logs_app.store import logs_discard, logs_prepare, logs_seal
 
-from .errors import NonRetryableError, StaleAttempt
+from .errors import NonRetryableError
 
 T = TypeVar("T")
 log = logging.getLogger("dispatch.runtime")
 # How long a finished attempt keeps trying to record its outcome while the database is down.
 COMPLETION_RETRY_SECONDS = 60.0
 MAX_RESULT_BYTES = 64 * 1024
-
-
-@dataclasses.dataclass
-class EffectRecord:
-    name: str
-    done: bool  # True: an earlier execution of this run already committed the effect
 
 
 class LeaseKeeper:
@@ -162,36 +157,13 @@ class RunContext:
         its lease (another attempt may own the run now). Seen at the next heartbeat."""
         return self._keeper.lost.is_set()
 
-    @contextlib.contextmanager
-    def effect(self, name: str) -> Iterator[EffectRecord]:
-        """Record an effect once per run, in a transaction fenced by this attempt's token.
-
-        Database writes made inside the block commit together with the ledger row, and
-        only if this attempt is still current. `record.done` tells a later execution of
-        the same run that the effect was already committed, so it skips the work.
-        """
-        with transaction.atomic():
-            locked = (
-                Run.objects.select_for_update()
-                .filter(id=self.run_id)
-                .values_list("state", "fencing_token")
-                .first()
-            )
-            stale = locked != (RunState.RUNNING, self.fencing_token)
-            if not stale:
-                done = Effect.objects.filter(run_id=self.run_id, name=name).exists()
-                yield EffectRecord(name=name, done=done)
-                if not done:
-                    Effect.objects.create(
-                        run_id=self.run_id,
-                        name=name,
-                        attempt_number=self.attempt,
-                        fencing_token=self.fencing_token,
-                    )
-        if stale:
-            # Counted outside the refused transaction, so that the count survives.
-            counter_increment("scheduler_stale_completions_total", labels='kind="effect"')
-            raise StaleAttempt(f"attempt {self.attempt} of run {self.run_id} is stale")
+    def effect(self, name: str) -> contextlib.AbstractContextManager[EffectRecord]:
+        """Record an effect once per run, in a transaction fenced by this attempt's token
+        (`jobs.effects.effect_once`): database writes made inside the block commit with the
+        ledger row, and only if this attempt is still current; `record.done` tells a later
+        execution of the same run that the effect was already committed."""
+        return effect_once(run_id=self.run_id, name=name, attempt_number=self.attempt,
+                           fencing_token=self.fencing_token)  # fmt: skip
 
 
 def _storable_result(value):
