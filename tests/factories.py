@@ -200,3 +200,17 @@ def api_run_cancel(api, run):
 def api_run_replay(api, run):
     """POST the run's replay."""
     return api.post(f"/api/v1/runs/{run.id}/replay/")
+
+
+# --- run logs --------------------------------------------------------------------------
+
+
+def stored_lines(run) -> list[dict]:
+    """The run's stored log lines, attempt by attempt, in order."""
+    from logs_app.models import LogChunk
+    from logs_app.store import chunk_lines
+
+    lines = []
+    for chunk in LogChunk.objects.filter(run=run).order_by("attempt__number", "sequence"):
+        lines += chunk_lines(chunk)
+    return lines

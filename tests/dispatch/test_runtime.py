@@ -13,8 +13,10 @@ from celery.exceptions import SoftTimeLimitExceeded
 from django.db import connection
 
 from dispatch import NonRetryableError
+from dispatch.reaper import ReaperConfig, reaper_run_once
 from dispatch.runtime import LeaseKeeper, RunContext, StaleAttempt, run_execute_delivery
 from dispatch.scheduler import SchedulerConfig, scheduler_run_once
+from jobs.clock import db_now
 from jobs.models import (
     Attempt,
     AttemptState,
@@ -27,6 +29,7 @@ from jobs.models import (
     RunState,
 )
 from jobs.transitions import attempt_succeed
+from logs_app import capture as capture_mod
 from tests.factories import CLAIM_LEASE_SECONDS as LEASE
 from tests.factories import PINNED_NOW, claim, later, publish
 from tests.factories import api_run_cancel as cancel
@@ -451,3 +454,79 @@ def test_the_soft_time_limit_times_the_attempt_out(queued_run, overrides, run_st
     assert (run.state, run.failure_reason) == (run_state, reason)
     assert run.attempts.get().state == AttemptState.TIMED_OUT
     assert AuditEvent.objects.filter(run=run, action="attempt.timed_out").count() == 1
+
+
+# --- the runtime beside the log shipper: effects, heartbeats, the lease ----------------
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_heartbeat_inside_a_long_effect_does_not_deadlock_with_the_shipper(queued_run):
+    run = queued_run()
+    events = []
+
+    def handler(ctx):
+        with ctx.effect("charge"):
+            # The run row is locked FOR UPDATE for the effect. The shipper, ~1 s later, locks
+            # the attempt row FOR UPDATE and inserts a LogChunk, whose FK check needs
+            # FOR KEY SHARE on the run row: it waits, holding the attempt row.
+            ctx.logger.info("charging")
+            time.sleep(2.5)  # long effect body (a payment call...)
+            t = time.monotonic()
+            ok = ctx.heartbeat()  # UPDATE attempt -> waits for the shipper -> cycle
+            events.append(("heartbeat", ok, round(time.monotonic() - t, 1)))
+        return "ok"
+
+    out = run_execute_delivery(run_id=str(run.id), handler=handler, worker="w", message_id="m")
+    run.refresh_from_db()
+    assert run.state == RunState.SUCCEEDED, (
+        out,
+        events,
+        run.state,
+        run.attempts.first().error[-600:],
+    )
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_same_handler_without_capture_succeeds_too(queued_run, settings):
+    settings.SCHEDULER_LOGS = {**settings.SCHEDULER_LOGS, "capture": False}
+    run = queued_run()
+
+    def handler(ctx):
+        with ctx.effect("charge"):
+            ctx.logger.info("charging")
+            time.sleep(2.5)
+            ctx.heartbeat()
+        return "ok"
+
+    run_execute_delivery(run_id=str(run.id), handler=handler, worker="w", message_id="m")
+    run.refresh_from_db()
+    assert run.state == RunState.SUCCEEDED
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_lease_is_kept_while_the_logs_are_finished(queued_run, monkeypatch):
+    run = queued_run(heartbeat_timeout_seconds=2)
+    real = capture_mod.chunk_ship
+
+    def slow_connect(**kw):
+        time.sleep(6)  # a slow connection to the database (pool exhausted, network)
+        return real(**kw)
+
+    monkeypatch.setattr(capture_mod, "chunk_ship", slow_connect)
+
+    def reaper():
+        time.sleep(4.5)
+        try:
+            reaper_run_once(now=db_now(), config=ReaperConfig())
+        finally:
+            connection.close()
+
+    def handler(ctx):
+        print("done")
+        time.sleep(1.2)  # the shipper is now in chunk_ship
+        threading.Thread(target=reaper).start()
+        return "ok"
+
+    out = run_execute_delivery(run_id=str(run.id), handler=handler, worker="w", message_id="m")
+    run.refresh_from_db()
+    assert run.state == RunState.SUCCEEDED, (out, run.state)
