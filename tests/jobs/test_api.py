@@ -6,8 +6,10 @@ owner, 401 without a token), a job's cancel and a run's history."""
 from __future__ import annotations
 
 import datetime as dt
+import io
 
 import pytest
+from django.core.management import call_command
 from drf_spectacular.generators import SchemaGenerator
 from rest_framework.test import APIClient
 
@@ -575,6 +577,19 @@ def test_a_patch_of_a_cancelled_job_is_409_whatever_the_body(api):
     r = api.patch(f"/api/v1/jobs/{job['id']}/", {"timeout_seconds": -1}, format="json")
     assert r.status_code == 409
     assert r.json()["state"] == "cancelled"
+
+
+def test_openapi_schema_generates_and_validates_without_warnings(db):
+    out = io.StringIO()
+    call_command("spectacular", "--validate", "--fail-on-warn", stdout=out)
+    schema = out.getvalue()
+    for path in (
+        "/api/v1/jobs/",
+        "/api/v1/jobs/{job_id}/",
+        "/api/v1/runs/",
+        "/api/v1/runs/{run_id}/",
+    ):
+        assert f"{path}:" in schema
 
 
 def test_the_job_run_list_schema_has_no_job_filter():
