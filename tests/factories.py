@@ -143,3 +143,74 @@ def job_patch(job, user, now, **fields):
     assert job_update(job=job, spec=spec, expected_version=job.version, actor=user, now=now)
     job.refresh_from_db()
     return job
+
+
+# --- a run by hand: its claim, its publication, its snapshot, its API actions ----------
+
+# The lease of `claim`'s attempts.
+CLAIM_LEASE_SECONDS = 30.0
+
+
+def later(seconds: float) -> dt.datetime:
+    """PINNED_NOW plus `seconds`."""
+    return PINNED_NOW + dt.timedelta(seconds=seconds)
+
+
+def claim(run, *, at: dt.datetime = PINNED_NOW, timeout: float | None = None):
+    """The run's next attempt, claimed by worker-a at `at` for CLAIM_LEASE_SECONDS."""
+    from jobs.transitions import run_claim
+
+    attempt = run_claim(
+        run_id=run.id,
+        worker="worker-a",
+        now=at,
+        lease_seconds=CLAIM_LEASE_SECONDS,
+        timeout_seconds=timeout,
+    )
+    assert attempt is not None
+    return attempt
+
+
+def publish(run, *, at: dt.datetime = PINNED_NOW) -> None:
+    """What the relay does once the broker confirmed the run's pending rows."""
+    from jobs.models import OutboxMessage, OutboxState
+
+    assert OutboxMessage.objects.filter(run=run, state=OutboxState.PENDING).update(
+        state=OutboxState.PUBLISHED, published_at=at
+    )
+
+
+def run_snapshot(run_id) -> tuple[dict, list[dict], list[dict]]:
+    """Everything the run, its attempts and its outbox rows hold, to show that nothing
+    changed."""
+    from jobs.models import Attempt, OutboxMessage, Run
+
+    return (
+        Run.objects.filter(id=run_id).values().get(),
+        list(Attempt.objects.filter(run_id=run_id).order_by("number").values()),
+        list(OutboxMessage.objects.filter(run_id=run_id).order_by("id").values()),
+    )
+
+
+def api_run_cancel(api, run):
+    """POST the run's cancel."""
+    return api.post(f"/api/v1/runs/{run.id}/cancel/")
+
+
+def api_run_replay(api, run):
+    """POST the run's replay."""
+    return api.post(f"/api/v1/runs/{run.id}/replay/")
+
+
+# --- run logs --------------------------------------------------------------------------
+
+
+def stored_lines(run) -> list[dict]:
+    """The run's stored log lines, attempt by attempt, in order."""
+    from logs_app.models import LogChunk
+    from logs_app.store import chunk_lines
+
+    lines = []
+    for chunk in LogChunk.objects.filter(run=run).order_by("attempt__number", "sequence"):
+        lines += chunk_lines(chunk)
+    return lines

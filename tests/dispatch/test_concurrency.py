@@ -9,8 +9,7 @@ import pytest
 from django.contrib.auth import get_user_model
 
 from jobs.models import Counter, Job, OutboxMessage, OutboxState, Run, RunState
-from jobs.services import job_create
-from tests.factories import job_spec
+from tests import factories
 from tests.processes import wait_for
 
 pytestmark = pytest.mark.slow
@@ -21,9 +20,14 @@ def test_two_schedulers_two_relays_burst_of_500_runs_each_once(stack, report_fig
     owner = get_user_model().objects.create_user("burst")
     now = dt.datetime.now(dt.UTC)
     due = (now + dt.timedelta(seconds=10)).replace(microsecond=0)
-    spec = job_spec(task="tests.record", schedule={"kind": "once", "run_at": due.isoformat()})
     for index in range(BURST):
-        job_create(owner=owner, spec={**spec, "name": f"burst {index}"}, now=now)
+        factories.make_job(
+            owner,
+            now=now,
+            name=f"burst {index}",
+            task="tests.record",
+            schedule={"kind": "once", "run_at": due.isoformat()},
+        )
     assert Job.objects.filter(next_run_at=due).count() == BURST
 
     for name in ("scheduler-a", "scheduler-b"):

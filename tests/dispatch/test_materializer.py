@@ -1,6 +1,9 @@
-"""The materializer applies each job's policies (jobs.policies): misfire after an outage or
-a pause, overlap with a run still active, jitter, pause_after_failures, and the end of a
-schedule. Every pass is called directly with a pinned clock."""
+"""The materializer (dispatch.materializer, through the scheduler pass): runs once per
+occurrence, not before it is due, never for paused jobs, next_run_at advanced on the
+schedule; and each job's policies (jobs.policies): misfire after an outage or a pause,
+overlap with a run still active (loading a bounded number of them), jitter,
+pause_after_failures, and the end of a schedule. Every pass is called directly with a
+pinned clock."""
 
 from __future__ import annotations
 
@@ -8,12 +11,24 @@ import datetime as dt
 
 import pytest
 
+from dispatch import materializer as materializer_module
 from dispatch.materializer import OCCURRENCES_PER_JOB_PER_PASS
-from dispatch.scheduler import SchedulerConfig, scheduler_sleep_seconds
-from jobs.models import AttemptState, AuditEvent, Job, JobState, OutboxMessage, Run, RunState
+from dispatch.scheduler import SchedulerConfig, scheduler_run_once, scheduler_sleep_seconds
+from jobs.models import (
+    AttemptState,
+    AuditEvent,
+    Job,
+    JobState,
+    JobVersion,
+    OutboxMessage,
+    Run,
+    RunKind,
+    RunState,
+)
 from jobs.policies import run_jitter
 from jobs.services import job_pause, job_resume, job_trigger
 from jobs.transitions import attempt_fail, attempt_succeed, run_claim
+from tests.factories import scheduled_runs
 from tests.factories import scheduler_pass as run_once
 
 T0 = dt.datetime(2030, 1, 1, 0, 0, tzinfo=dt.UTC)
@@ -41,6 +56,80 @@ def claim(run: Run, now: dt.datetime):
 def reload(obj):
     obj.refresh_from_db()
     return obj
+
+
+# --- materialization: once per occurrence, when due, on the schedule ---------------------
+
+CREATED = dt.datetime(2029, 12, 31, 12, 0, tzinfo=dt.UTC)
+RUN_AT = dt.datetime(2030, 1, 1, 0, 0, tzinfo=dt.UTC)
+NOW = RUN_AT + dt.timedelta(seconds=1)
+CONFIG = SchedulerConfig()
+
+
+def test_scheduler_twice_at_the_same_instant_creates_one_run(make_job):
+    make_job(now=CREATED, schedule={"kind": "once", "run_at": RUN_AT.isoformat()})
+    assert scheduler_run_once(now=NOW, config=CONFIG).runs_created == 1
+    assert scheduler_run_once(now=NOW, config=CONFIG).runs_created == 0
+    assert Run.objects.count() == OutboxMessage.objects.count() == 1
+
+
+def test_scheduler_ignores_jobs_not_yet_due(make_job):
+    job = make_job(now=CREATED, schedule={"kind": "once", "run_at": RUN_AT.isoformat()})
+    assert scheduler_run_once(now=RUN_AT - dt.timedelta(seconds=1), config=CONFIG).runs_created == 0
+    assert reload(job).next_run_at == RUN_AT
+    assert Run.objects.count() == 0
+
+
+def test_scheduler_clears_next_run_at_of_a_once_job(make_job):
+    job = make_job(now=CREATED, schedule={"kind": "once", "run_at": RUN_AT.isoformat()})
+    scheduler_run_once(now=NOW, config=CONFIG)
+    assert reload(job).next_run_at is None
+
+
+def test_scheduler_advances_a_cron_job_to_its_next_occurrence(make_job):
+    """Berlin 09:00 in winter is 08:00Z; the run records the version that created it."""
+    job = make_job(
+        now=CREATED,
+        schedule={"kind": "cron", "expression": "0 9 * * *", "timezone": "Europe/Berlin"},
+    )
+    first = dt.datetime(2030, 1, 1, 8, 0, tzinfo=dt.UTC)
+    assert job.next_run_at == first
+    assert scheduler_run_once(now=first, config=CONFIG).runs_created == 1
+    assert reload(job).next_run_at == first + dt.timedelta(days=1)
+    run = Run.objects.get(job=job)
+    assert (run.scheduled_for, run.job_version.version) == (first, 1)
+    assert run.idempotency_key.startswith(f"{job.id}:")
+
+
+def test_scheduler_advances_an_interval_job_on_its_grid(make_job):
+    job = make_job(now=CREATED, schedule={"kind": "interval", "every_seconds": 300})
+    assert job.next_run_at == CREATED
+    assert (
+        scheduler_run_once(now=CREATED + dt.timedelta(seconds=10), config=CONFIG).runs_created == 1
+    )
+    assert reload(job).next_run_at == CREATED + dt.timedelta(seconds=300)
+    # Not due again until the next step.
+    assert (
+        scheduler_run_once(now=CREATED + dt.timedelta(seconds=299), config=CONFIG).runs_created == 0
+    )
+
+
+def test_scheduler_skips_paused_jobs(make_job):
+    job = make_job(now=CREATED, schedule={"kind": "once", "run_at": RUN_AT.isoformat()})
+    Job.objects.filter(id=job.id).update(state="paused")
+    assert scheduler_run_once(now=NOW, config=CONFIG).runs_created == 0
+
+
+def test_scheduler_does_not_duplicate_a_run_when_next_run_at_is_rewound(make_job):
+    """If next_run_at points at an occurrence that already has its run, it only advances."""
+    job = make_job(
+        now=CREATED, schedule={"kind": "cron", "expression": "0 0 * * *", "timezone": "UTC"}
+    )
+    scheduler_run_once(now=RUN_AT, config=CONFIG)
+    Job.objects.filter(id=job.id).update(next_run_at=RUN_AT)
+    assert scheduler_run_once(now=RUN_AT, config=CONFIG).runs_created == 0
+    assert Run.objects.filter(job=job).count() == 1
+    assert reload(job).next_run_at == RUN_AT + dt.timedelta(days=1)
 
 
 # --- misfire: the service was down for three hours -----------------------------------
@@ -426,3 +515,69 @@ def test_the_failure_that_reaches_pause_after_failures_pauses_the_job_at_once(
         assert outcome == "failed"
         # Paused by the second failure itself, not by a later scheduler pass.
         assert reload(job).state == (JobState.ACTIVE if minute == 0 else JobState.PAUSED)
+
+
+# --- policies at their edges: a bounded load of active runs, a backlog, grace 0, a pause --
+
+
+def _backlog(job, count: int) -> None:
+    version = JobVersion.objects.get(job=job)
+    Run.objects.bulk_create(
+        Run(job=job, job_version=version, kind=RunKind.SCHEDULED, state=RunState.QUEUED,
+            scheduled_for=T0 - dt.timedelta(seconds=i + 1), due_at=T0, created_at=T0,
+            idempotency_key=f"{job.id}:backlog:{i}")
+        for i in range(count)
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("overlap, most", [("allow", 0), ("skip", 100)])
+def test_a_pass_loads_a_bounded_number_of_active_runs(make_job, monkeypatch, overlap, most):
+    job = make_job(now=T0, schedule={"kind": "interval", "every_seconds": 1}, overlap=overlap)
+    _backlog(job, 500)
+    monkeypatch.setattr(materializer_module, "OVERLAP_RUNS_PER_JOB", 100)
+    loaded = []
+    original = Run.from_db.__func__
+    monkeypatch.setattr(
+        Run, "from_db", classmethod(lambda cls, *a: loaded.append(1) or original(cls, *a))
+    )
+    run_once(T0 + dt.timedelta(milliseconds=500))
+    assert len(loaded) <= most
+    new = Run.objects.get(job=job, scheduled_for=T0)
+    assert new.state == (RunState.QUEUED if overlap == "allow" else RunState.SKIPPED)
+
+
+def test_cancel_previous_still_cancels_the_newest_active_runs(make_job):
+    job = make_job(
+        now=T0, schedule={"kind": "interval", "every_seconds": 60}, overlap="cancel_previous"
+    )
+    _backlog(job, 3)
+    run_once(T0 + dt.timedelta(seconds=1))
+    assert sorted(state for _, state in scheduled_runs(job)) == ["cancelled"] * 3 + ["queued"]
+
+
+def test_grace_zero_does_not_skip_an_occurrence_reached_on_time(make_job):
+    job = make_job(
+        now=T0 - dt.timedelta(minutes=1),
+        schedule=HOURLY,
+        misfire={"policy": "skip", "grace_seconds": 0},
+    )
+    run_once(T0 + dt.timedelta(milliseconds=5))
+    run_once(T0 + HOUR + dt.timedelta(seconds=2))
+    assert scheduled_runs(job) == [(T0, RunState.QUEUED), (T0 + HOUR, RunState.SKIPPED)]
+
+
+def test_a_pending_run_created_before_a_pause_is_released(make_job, user):
+    job = make_job(
+        now=T0 - dt.timedelta(minutes=1),
+        schedule={"kind": "once", "run_at": T0.isoformat()},
+        jitter_seconds=3600,
+    )
+    run_once(T0)
+    run = Run.objects.get(job=job)
+    assert run.state == RunState.PENDING
+    job_pause(job=job, actor=user, now=T0 + dt.timedelta(seconds=1))
+    run_once(T0 + 2 * HOUR)
+    run.refresh_from_db()
+    assert run.state == RunState.QUEUED
+    job.refresh_from_db()
+    assert job.state == JobState.PAUSED

@@ -6,8 +6,8 @@ import time
 import pytest
 
 from jobs.models import Job, Run, RunState
-from jobs.services import job_create, job_pause
-from tests.factories import job_spec, owner
+from jobs.services import job_pause
+from tests.factories import make_job, owner
 from tests.processes import wait_for
 
 pytestmark = pytest.mark.slow
@@ -25,7 +25,9 @@ def test_a_handler_that_outlasts_the_interval(stack, policy, report_figure):
     stack.relay()
     stack.worker(concurrency=2)
     now = dt.datetime.now(dt.UTC)
-    spec = job_spec(
+    job = make_job(
+        owner(),
+        now=now,
         name=f"overlap {policy}",
         task="tests.sleep",
         kwargs={"seconds": 3.5},
@@ -34,7 +36,6 @@ def test_a_handler_that_outlasts_the_interval(stack, policy, report_figure):
         overlap=policy,
         heartbeat_timeout_seconds=3,
     )
-    job = job_create(owner=owner(), spec=spec, now=now)
     time.sleep(10)  # five occurrences
     assert job_pause(job=Job.objects.get(id=job.id), actor=owner(), now=dt.datetime.now(dt.UTC))
     wait_for(

@@ -25,11 +25,11 @@ from jobs.models import (
 )
 from jobs.services import attempt_record_failure, run_replay_request
 from jobs.transitions import attempt_renew_lease, attempt_succeed, run_claim
-from tests.factories import PINNED_NOW
+from tests.factories import CLAIM_LEASE_SECONDS as LEASE
+from tests.factories import PINNED_NOW, claim
 from tests.threads import in_thread, wait_for_lock_waiters
 
 NOW = PINNED_NOW
-LEASE = 30.0
 CONFIG = ReaperConfig()
 NO_JITTER = {"initial_delay_seconds": 10, "backoff_factor": 2.0, "jitter": False}
 
@@ -48,14 +48,6 @@ def snapshot(run_id) -> tuple[dict, list[dict]]:
         Run.objects.filter(id=run_id).values().get(),
         list(Attempt.objects.filter(run_id=run_id).order_by("number").values()),
     )
-
-
-def claim(run: Run, *, at: dt.datetime, timeout: float | None = None) -> Attempt:
-    attempt = run_claim(
-        run_id=run.id, worker="worker-a", now=at, lease_seconds=LEASE, timeout_seconds=timeout
-    )
-    assert attempt is not None
-    return attempt
 
 
 # --- lost leases -----------------------------------------------------------------------

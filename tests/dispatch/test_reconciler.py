@@ -32,6 +32,8 @@ from jobs.models import (
 )
 from jobs.services import run_replay_request
 from jobs.transitions import run_claim
+from tests.factories import publish
+from tests.factories import run_snapshot as snapshot
 
 pytestmark = pytest.mark.django_db
 
@@ -52,14 +54,6 @@ def counter(name: str, labels: str = "") -> int:
     return sum(Counter.objects.filter(name=name, labels=labels).values_list("value", flat=True))
 
 
-def snapshot(run_id) -> tuple[dict, list[dict], list[dict]]:
-    return (
-        Run.objects.filter(id=run_id).values().get(),
-        list(Attempt.objects.filter(run_id=run_id).order_by("number").values()),
-        list(OutboxMessage.objects.filter(run_id=run_id).order_by("id").values()),
-    )
-
-
 @pytest.fixture
 def queued_run(make_job):
     """make(**job_overrides): a one-time job's run, queued by the scheduler at `created`,
@@ -75,13 +69,6 @@ def queued_run(make_job):
         return Run.objects.select_related("job_version").get(job=job)
 
     return make
-
-
-def publish(run: Run, *, at: dt.datetime) -> None:
-    """What the relay does once the broker confirmed the run's pending rows."""
-    assert OutboxMessage.objects.filter(run=run, state=OutboxState.PENDING).update(
-        state=OutboxState.PUBLISHED, published_at=at
-    )
 
 
 # --- lost messages ---------------------------------------------------------------------

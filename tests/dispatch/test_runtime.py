@@ -1,13 +1,40 @@
-"""The worker runtime in process: claim, duplicate refusal, fencing, the effect ledger."""
+"""The worker runtime in process: claim, duplicate refusal, fencing, the effect ledger;
+what it does with a run cancelled or replayed through the API (refuses it, stops its
+handler, or runs it again under the next fencing token); and the handler outcomes that end
+a run without a retry (NonRetryableError, the soft time limit)."""
 
 import datetime as dt
+import logging
+import threading
+import time
 
 import pytest
+from celery.exceptions import SoftTimeLimitExceeded
+from django.db import connection
 
-from dispatch.runtime import StaleAttempt, run_execute_delivery
+from dispatch import NonRetryableError
+from dispatch.reaper import ReaperConfig, reaper_run_once
+from dispatch.runtime import LeaseKeeper, RunContext, StaleAttempt, run_execute_delivery
 from dispatch.scheduler import SchedulerConfig, scheduler_run_once
-from jobs.models import Attempt, AttemptState, AuditEvent, Counter, Effect, Run, RunState
-from tests.factories import PINNED_NOW
+from jobs.clock import db_now
+from jobs.models import (
+    Attempt,
+    AttemptState,
+    AuditEvent,
+    Counter,
+    Effect,
+    OutboxMessage,
+    OutboxState,
+    Run,
+    RunState,
+)
+from jobs.transitions import attempt_succeed
+from logs_app import capture as capture_mod
+from tests.factories import CLAIM_LEASE_SECONDS as LEASE
+from tests.factories import PINNED_NOW, claim, later, publish
+from tests.factories import api_run_cancel as cancel
+from tests.factories import api_run_replay as replay
+from tests.factories import run_snapshot as snapshot
 
 NOW = PINNED_NOW  # the clock of conftest's queued_run
 
@@ -156,3 +183,350 @@ def test_an_error_message_with_nul_characters_is_stored(queued_run):
     attempt = run.attempts.get()
     assert attempt.state == "failed" and "bad  value" in attempt.error
     assert Run.objects.get(id=run.id).failure_reason == "exhausted"
+
+
+# --- a run cancelled or replayed through the API ---------------------------------------
+
+
+def counter(name: str, labels: str = "") -> int:
+    return sum(Counter.objects.filter(name=name, labels=labels).values_list("value", flat=True))
+
+
+class Handler:
+    """Records its calls; never expected to be called where the run was refused."""
+
+    def __init__(self) -> None:
+        self.calls: list[int] = []
+
+    def __call__(self, ctx):
+        self.calls.append(ctx.attempt)
+        return {"ran": True}
+
+
+def assert_worker_refuses_cancelled(run: Run) -> None:
+    handler = Handler()
+    result = run_execute_delivery(run_id=str(run.id), handler=handler, worker="w", message_id="m")
+    assert result == {"run_id": str(run.id), "outcome": "cancelled"}
+    assert handler.calls == []
+    assert not Attempt.objects.filter(run=run).exists()
+    run.refresh_from_db()
+    assert (run.state, run.duplicate_deliveries, run.fencing_token) == (RunState.CANCELLED, 0, 0)
+    assert counter("scheduler_duplicate_deliveries_total") == 0
+    assert not AuditEvent.objects.filter(run=run, action="run.duplicate_delivery_refused").exists()
+
+
+def test_cancel_of_a_queued_run_deletes_its_unsent_message_and_the_worker_refuses_it(
+    api, user, queued_run
+):
+    run = queued_run()
+    assert OutboxMessage.objects.filter(run=run, state=OutboxState.PENDING).count() == 1
+
+    response = cancel(api, run)
+
+    assert response.status_code == 200, response.content
+    assert response.json()["state"] == RunState.CANCELLED
+    run.refresh_from_db()
+    assert run.state == RunState.CANCELLED and run.finished_at is not None
+    assert not OutboxMessage.objects.filter(run=run).exists()
+    event = AuditEvent.objects.get(run=run, action="run.cancelled")
+    assert (event.actor, event.actor_label, event.job_id) == (
+        user,
+        f"user:{user.username}",
+        run.job_id,
+    )
+    assert event.data == {"from_state": RunState.QUEUED}
+    assert_worker_refuses_cancelled(run)
+
+
+def test_cancel_of_a_published_queued_run_keeps_the_sent_row_and_the_worker_refuses_it(
+    api, queued_run
+):
+    run = queued_run()
+    publish(run)
+
+    response = cancel(api, run)
+
+    assert response.status_code == 200, response.content
+    assert Run.objects.get(id=run.id).state == RunState.CANCELLED
+    assert OutboxMessage.objects.get(run=run).state == OutboxState.PUBLISHED
+    assert AuditEvent.objects.filter(run=run, action="run.cancelled").count() == 1
+    assert_worker_refuses_cancelled(run)
+
+
+def test_cancel_of_a_running_run_ends_its_attempt_and_refuses_the_worker(api, queued_run):
+    run = queued_run()
+    publish(run)
+    attempt = claim(run)
+
+    response = cancel(api, run)
+
+    assert response.status_code == 200, response.content
+    body = response.json()
+    assert body["state"] == RunState.CANCELLED
+    assert [a["state"] for a in body["attempts"]] == [AttemptState.CANCELLED]
+    attempt.refresh_from_db()
+    assert (attempt.state, attempt.error) == (AttemptState.CANCELLED, "cancelled by request")
+    assert attempt.finished_at is not None
+    assert Run.objects.get(id=run.id).state == RunState.CANCELLED
+    assert AuditEvent.objects.get(run=run, action="run.cancelled").data == {
+        "from_state": RunState.RUNNING
+    }
+    before = snapshot(run.id)
+
+    assert attempt_succeed(attempt=attempt, now=later(5), result={"late": True}) is False
+    keeper = LeaseKeeper(attempt, LEASE)
+    assert keeper.renew() is False
+    assert keeper.lost.is_set()
+    ctx = RunContext(
+        run_id=str(run.id),
+        job_id=str(run.job_id),
+        attempt=attempt.number,
+        idempotency_key=run.idempotency_key,
+        fencing_token=attempt.fencing_token,
+        scheduled_for=run.scheduled_for,
+        payload_ref=None,
+        logger=logging.LoggerAdapter(logging.getLogger("tests"), {}),
+        _attempt=attempt,
+        _keeper=keeper,
+    )
+    assert ctx.cancel_requested is True
+    with pytest.raises(StaleAttempt), ctx.effect("charge"):
+        pytest.fail("the effect's body ran for a cancelled run")
+
+    assert snapshot(run.id) == before
+    assert not Effect.objects.exists()
+    # A cancel is not staleness: the refused heartbeat is not counted.
+    assert counter("scheduler_stale_completions_total", 'kind="heartbeat"') == 0
+
+
+@pytest.mark.django_db(transaction=True)
+def test_cancel_while_the_handler_runs_stops_it_at_its_next_heartbeat(api, queued_run):
+    run = queued_run()
+    publish(run)
+    started = threading.Event()
+    seen: list[str] = []
+    outcome: list[dict] = []
+
+    def handler(ctx):
+        started.set()
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            ctx.heartbeat()
+            if ctx.cancel_requested:
+                seen.append("cancel")
+                return {"stopped": True}
+            time.sleep(0.02)
+        seen.append("never cancelled")
+        return {"stopped": False}
+
+    def work() -> None:
+        try:
+            outcome.append(
+                run_execute_delivery(
+                    run_id=str(run.id), handler=handler, worker="w", message_id="m"
+                )
+            )
+        finally:
+            connection.close()
+
+    worker = threading.Thread(target=work)
+    worker.start()
+    try:
+        assert started.wait(timeout=10)
+        response = cancel(api, run)
+        assert response.status_code == 200, response.content
+    finally:
+        worker.join(timeout=20)
+    assert not worker.is_alive()
+
+    assert seen == ["cancel"]
+    assert outcome == [{"run_id": str(run.id), "attempt": 1, "outcome": "stale"}]
+    run.refresh_from_db()
+    assert (run.state, run.result) == (RunState.CANCELLED, None)
+    assert run.attempts.get().state == AttemptState.CANCELLED
+    assert counter("scheduler_stale_completions_total", 'kind="heartbeat"') == 0
+
+
+def test_a_cancel_just_before_the_claim_is_not_counted_as_a_duplicate_delivery(
+    queued_run, user, monkeypatch
+):
+    import dispatch.runtime
+    from jobs.services import run_cancel_request
+
+    run = queued_run()
+    publish(run)
+    real_claim = dispatch.runtime.run_claim
+
+    def cancelled_meanwhile(**kwargs):
+        # The operator's cancel commits while the worker is between its read and its claim.
+        assert run_cancel_request(run=Run.objects.get(id=run.id), actor=user, now=later(1))
+        return real_claim(**kwargs)
+
+    monkeypatch.setattr(dispatch.runtime, "run_claim", cancelled_meanwhile)
+
+    assert_worker_refuses_cancelled(run)
+
+
+def test_replay_of_a_failed_run_queues_the_same_run_for_the_next_attempt(api, user, queued_run):
+    run = queued_run(retry={"max_attempts": 2, "initial_delay_seconds": 0, "jitter": False})
+    publish(run)
+
+    def boom(ctx):
+        raise RuntimeError("boom")
+
+    run_execute_delivery(run_id=str(run.id), handler=boom, worker="w", message_id="m1")
+    assert scheduler_run_once(now=later(86400), config=SchedulerConfig()).retries_queued == 1
+    publish(run)
+    run_execute_delivery(run_id=str(run.id), handler=boom, worker="w", message_id="m2")
+    run.refresh_from_db()
+    assert (run.state, run.failure_reason, run.attempt_count) == (RunState.FAILED, "exhausted", 2)
+    key = run.idempotency_key
+
+    response = replay(api, run)
+
+    assert response.status_code == 200, response.content
+    body = response.json()
+    assert (body["state"], body["failure_reason"], body["idempotency_key"]) == (
+        RunState.QUEUED,
+        "",
+        key,
+    )
+    run.refresh_from_db()
+    assert (run.state, run.failure_reason, run.idempotency_key) == (RunState.QUEUED, "", key)
+    assert (run.finished_at, run.retry_base) == (None, 2)
+    assert OutboxMessage.objects.filter(run=run, state=OutboxState.PENDING).count() == 1
+    assert OutboxMessage.objects.filter(run=run).count() == 3
+    event = AuditEvent.objects.get(run=run, action="run.replayed")
+    assert (event.actor, event.data) == (
+        user,
+        {"from_state": "failed", "failure_reason": "exhausted", "attempts_before": 2},
+    )
+
+    third = claim(run, at=later(86400 * 2))
+    assert (third.number, third.fencing_token) == (3, 3)
+    assert Run.objects.get(id=run.id).state == RunState.RUNNING
+
+
+# --- handler outcomes without a retry --------------------------------------------------
+
+
+def test_a_non_retryable_error_fails_the_run_after_one_attempt(queued_run):
+    run = queued_run(retry={"max_attempts": 3, "initial_delay_seconds": 0, "jitter": False})
+
+    def handler(ctx):
+        raise NonRetryableError("bad input")
+
+    result = run_execute_delivery(run_id=str(run.id), handler=handler, worker="w", message_id="m")
+
+    assert result["outcome"] == RunState.FAILED
+    run.refresh_from_db()
+    assert (run.state, run.failure_reason, run.next_attempt_at) == (
+        RunState.FAILED,
+        "error",
+        None,
+    )
+    attempt = run.attempts.get()
+    assert attempt.state == AttemptState.FAILED and "bad input" in attempt.error
+    assert scheduler_run_once(now=later(86400), config=SchedulerConfig()).retries_queued == 0
+
+
+@pytest.mark.parametrize(
+    ("overrides", "run_state", "reason"),
+    [
+        ({"retry": {"max_attempts": 1}}, RunState.FAILED, "timeout"),
+        ({"retry": {"max_attempts": 2}}, RunState.RETRY_WAIT, ""),
+        ({"retry": {"max_attempts": 2}, "delivery": "at_most_once"}, RunState.FAILED, (
+            "outcome_unknown"
+        )),
+    ],
+    ids=["no-attempt-left", "retries", "at-most-once"],
+)  # fmt: skip
+def test_the_soft_time_limit_times_the_attempt_out(queued_run, overrides, run_state, reason):
+    run = queued_run(**overrides)
+
+    def handler(ctx):
+        raise SoftTimeLimitExceeded()
+
+    result = run_execute_delivery(run_id=str(run.id), handler=handler, worker="w", message_id="m")
+
+    assert result["outcome"] == run_state
+    run.refresh_from_db()
+    assert (run.state, run.failure_reason) == (run_state, reason)
+    assert run.attempts.get().state == AttemptState.TIMED_OUT
+    assert AuditEvent.objects.filter(run=run, action="attempt.timed_out").count() == 1
+
+
+# --- the runtime beside the log shipper: effects, heartbeats, the lease ----------------
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_heartbeat_inside_a_long_effect_does_not_deadlock_with_the_shipper(queued_run):
+    run = queued_run()
+    events = []
+
+    def handler(ctx):
+        with ctx.effect("charge"):
+            # The run row is locked FOR UPDATE for the effect. The shipper, ~1 s later, locks
+            # the attempt row FOR UPDATE and inserts a LogChunk, whose FK check needs
+            # FOR KEY SHARE on the run row: it waits, holding the attempt row.
+            ctx.logger.info("charging")
+            time.sleep(2.5)  # long effect body (a payment call...)
+            t = time.monotonic()
+            ok = ctx.heartbeat()  # UPDATE attempt -> waits for the shipper -> cycle
+            events.append(("heartbeat", ok, round(time.monotonic() - t, 1)))
+        return "ok"
+
+    out = run_execute_delivery(run_id=str(run.id), handler=handler, worker="w", message_id="m")
+    run.refresh_from_db()
+    assert run.state == RunState.SUCCEEDED, (
+        out,
+        events,
+        run.state,
+        run.attempts.first().error[-600:],
+    )
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_same_handler_without_capture_succeeds_too(queued_run, settings):
+    settings.SCHEDULER_LOGS = {**settings.SCHEDULER_LOGS, "capture": False}
+    run = queued_run()
+
+    def handler(ctx):
+        with ctx.effect("charge"):
+            ctx.logger.info("charging")
+            time.sleep(2.5)
+            ctx.heartbeat()
+        return "ok"
+
+    run_execute_delivery(run_id=str(run.id), handler=handler, worker="w", message_id="m")
+    run.refresh_from_db()
+    assert run.state == RunState.SUCCEEDED
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_lease_is_kept_while_the_logs_are_finished(queued_run, monkeypatch):
+    run = queued_run(heartbeat_timeout_seconds=2)
+    real = capture_mod.chunk_ship
+
+    def slow_connect(**kw):
+        time.sleep(6)  # a slow connection to the database (pool exhausted, network)
+        return real(**kw)
+
+    monkeypatch.setattr(capture_mod, "chunk_ship", slow_connect)
+
+    def reaper():
+        time.sleep(4.5)
+        try:
+            reaper_run_once(now=db_now(), config=ReaperConfig())
+        finally:
+            connection.close()
+
+    def handler(ctx):
+        print("done")
+        time.sleep(1.2)  # the shipper is now in chunk_ship
+        threading.Thread(target=reaper).start()
+        return "ok"
+
+    out = run_execute_delivery(run_id=str(run.id), handler=handler, worker="w", message_id="m")
+    run.refresh_from_db()
+    assert run.state == RunState.SUCCEEDED, (out, run.state)

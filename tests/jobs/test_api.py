@@ -1,12 +1,15 @@
 """The REST API (jobs.api): reads scoped to the owner, versions and If-Match,
-pause/resume/trigger/backfill, soft delete, history, idempotency keys, list filters and
-the schedule preview."""
+pause/resume/trigger/backfill, soft delete, history, idempotency keys, list filters, the
+schedule preview, and a run's cancel and replay (409 in the wrong state, 404 for another
+owner, 401 without a token), a job's cancel and a run's history."""
 
 from __future__ import annotations
 
 import datetime as dt
+import io
 
 import pytest
+from django.core.management import call_command
 from drf_spectacular.generators import SchemaGenerator
 from rest_framework.test import APIClient
 
@@ -24,7 +27,11 @@ from jobs.models import (
     RunState,
 )
 from jobs.schedules import BACKFILL_MAX_RUNS
-from tests.factories import job_body
+from jobs.transitions import attempt_fail, attempt_succeed
+from tests.factories import PINNED_NOW, claim, job_body, later, publish
+from tests.factories import api_run_cancel as cancel
+from tests.factories import api_run_replay as replay
+from tests.factories import run_snapshot as snapshot
 from tests.factories import scheduler_pass as run_once
 from tests.jobs.test_validation import assert_nothing_created
 
@@ -572,6 +579,19 @@ def test_a_patch_of_a_cancelled_job_is_409_whatever_the_body(api):
     assert r.json()["state"] == "cancelled"
 
 
+def test_openapi_schema_generates_and_validates_without_warnings(db):
+    out = io.StringIO()
+    call_command("spectacular", "--validate", "--fail-on-warn", stdout=out)
+    schema = out.getvalue()
+    for path in (
+        "/api/v1/jobs/",
+        "/api/v1/jobs/{job_id}/",
+        "/api/v1/runs/",
+        "/api/v1/runs/{run_id}/",
+    ):
+        assert f"{path}:" in schema
+
+
 def test_the_job_run_list_schema_has_no_job_filter():
     schema = SchemaGenerator().get_schema(request=None, public=True)
     job_runs = [
@@ -623,3 +643,148 @@ def test_schema_is_served_to_an_authenticated_user(api):
     response = api.get("/api/schema/")
     assert response.status_code == 200
     assert b"/api/v1/jobs/" in response.content
+
+
+# --- a run's cancel and replay, a job's cancel, a run's history ------------------------
+
+NOW = PINNED_NOW
+
+
+def _succeeded(run: Run) -> None:
+    assert attempt_succeed(attempt=claim(run), now=later(1))
+
+
+def _failed(run: Run) -> None:
+    assert attempt_fail(attempt=claim(run), now=later(1), error="boom", retry_at=None)
+
+
+def _skipped(run: Run) -> None:
+    Run.objects.filter(id=run.id).update(state=RunState.SKIPPED, finished_at=later(1))
+
+
+@pytest.mark.parametrize(
+    ("finish", "state"),
+    [
+        (_succeeded, RunState.SUCCEEDED),
+        (_failed, RunState.FAILED),
+        (_skipped, RunState.SKIPPED),
+    ],
+    ids=["succeeded", "failed", "skipped"],
+)
+def test_cancel_of_a_finished_run_is_a_conflict_and_changes_nothing(api, queued_run, finish, state):
+    run = queued_run()
+    publish(run)
+    finish(run)
+    before = snapshot(run.id)
+
+    response = cancel(api, run)
+
+    assert response.status_code == 409
+    body = response.json()
+    assert body["state"] == state
+    assert state in body["detail"]
+    assert snapshot(run.id) == before
+    assert not AuditEvent.objects.filter(run=run).exists()
+
+
+def _running(run: Run) -> None:
+    claim(run)
+
+
+@pytest.mark.parametrize(
+    ("prepare", "state"),
+    [
+        (lambda run: None, RunState.QUEUED),
+        (_running, RunState.RUNNING),
+        (_succeeded, RunState.SUCCEEDED),
+    ],
+    ids=["queued", "running", "succeeded"],
+)
+def test_replay_of_a_run_that_did_not_fail_is_a_conflict_and_changes_nothing(
+    api, queued_run, prepare, state
+):
+    run = queued_run()
+    prepare(run)
+    before = snapshot(run.id)
+
+    response = replay(api, run)
+
+    assert response.status_code == 409
+    assert response.json()["state"] == state
+    assert state in response.json()["detail"]
+    assert snapshot(run.id) == before
+    assert not AuditEvent.objects.filter(run=run).exists()
+
+
+@pytest.mark.parametrize("action", [cancel, replay], ids=["cancel", "replay"])
+def test_another_owners_run_is_not_found_and_unchanged(api, other_user, queued_run, action):
+    run = queued_run(owner=other_user)
+    _failed(run)  # replayable, so only ownership can refuse it
+    before = snapshot(run.id)
+
+    assert action(api, run).status_code == 404
+    assert snapshot(run.id) == before
+    assert not AuditEvent.objects.filter(run=run).exists()
+
+
+@pytest.mark.parametrize("action", [cancel, replay], ids=["cancel", "replay"])
+def test_an_unauthenticated_request_is_refused(queued_run, action):
+    run = queued_run()
+    _failed(run)
+    before = snapshot(run.id)
+
+    assert action(APIClient(), run).status_code == 401
+    assert snapshot(run.id) == before
+
+
+def test_job_cancel_cancels_the_job_and_every_active_run(api, user, make_job):
+    job = make_job(now=NOW, schedule={"kind": "interval", "every_seconds": 300})
+    assert scheduler_run_once(now=NOW, config=SchedulerConfig()).runs_created == 1
+    waiting = Run.objects.get(job=job)
+    publish(waiting)
+    assert attempt_fail(attempt=claim(waiting), now=later(1), error="boom", retry_at=later(600))
+    assert scheduler_run_once(now=later(300), config=SchedulerConfig()).runs_created == 1
+    queued = Run.objects.get(job=job, state=RunState.QUEUED)
+    job.refresh_from_db()
+    assert job.next_run_at == later(600)
+
+    response = api.post(f"/api/v1/jobs/{job.id}/cancel/")
+
+    assert response.status_code == 200, response.content
+    assert (response.json()["state"], response.json()["next_run_at"]) == (JobState.CANCELLED, None)
+    job.refresh_from_db()
+    assert (job.state, job.next_run_at) == (JobState.CANCELLED, None)
+    waiting.refresh_from_db()
+    queued.refresh_from_db()
+    assert (waiting.state, waiting.next_attempt_at) == (RunState.CANCELLED, None)
+    assert queued.state == RunState.CANCELLED
+    assert not OutboxMessage.objects.filter(run=queued).exists()
+    assert AuditEvent.objects.filter(job=job, action="job.cancelled", actor=user).count() == 1
+    assert set(
+        AuditEvent.objects.filter(action="run.cancelled").values_list("run_id", flat=True)
+    ) == {waiting.id, queued.id}
+    # No more runs: neither the schedule nor the retry brings one.
+    scheduler_run_once(now=later(3600), config=SchedulerConfig())
+    assert Run.objects.filter(job=job).exclude(state=RunState.CANCELLED).count() == 0
+    audit_count = AuditEvent.objects.count()
+
+    again = api.post(f"/api/v1/jobs/{job.id}/cancel/")
+
+    assert again.status_code == 409
+    assert again.json()["state"] == JobState.CANCELLED
+    assert AuditEvent.objects.count() == audit_count
+    assert Job.objects.get(id=job.id).state == JobState.CANCELLED
+
+
+def test_run_detail_shows_the_runs_history_with_its_actors(api, queued_run, user):
+    run = queued_run()
+    publish(run)
+    assert api.post(f"/api/v1/runs/{run.id}/cancel/").status_code == 200
+    assert api.post(f"/api/v1/runs/{run.id}/replay/").status_code == 200
+
+    history = api.get(f"/api/v1/runs/{run.id}/").json()["history"]
+    assert [(e["action"], e["actor"]) for e in history] == [
+        ("run.cancelled", f"user:{user.username}"),
+        ("run.replayed", f"user:{user.username}"),
+    ]
+    assert history[1]["data"]["from_state"] == "cancelled"

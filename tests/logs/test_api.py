@@ -276,3 +276,14 @@ def test_the_admin_shows_an_attempts_log_to_staff(client, queued_run):
     client.force_login(get_user_model().objects.create_user("not-staff", password="pw"))
     page = client.get(reverse("admin:logs_app_attempt_log", args=[attempt.id]))
     assert page.status_code == 302  # to the admin's login
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_cursor_past_the_end_and_a_missing_attempt(api, queued_run):
+    attempt = running_attempt(queued_run)
+    ship(attempt, 0, 0, 3)
+    succeed(attempt)
+    r = api.get(logs_url(attempt.run_id), {"after": 2**31 - 1, "page_size": 5000})
+    assert r.status_code == 200, r.content[:300]
+    r = api.get(logs_url(attempt.run_id), {"format": "text", "attempt": 9})
+    assert r.status_code == 404

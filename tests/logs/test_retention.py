@@ -102,3 +102,30 @@ def test_the_prune_logs_command_loops_until_done(queued_run, capsys):
     assert "pruned 3" in capsys.readouterr().out
     assert not LogChunk.objects.filter(attempt=old).exists()
     assert LogChunk.objects.filter(attempt=recent).count() == 2
+
+
+# Retention goes on when the storage refuses a delete with an error that is not OSError.
+class DeleteDenied(Exception):
+    pass
+
+
+@pytest.mark.django_db(transaction=True)
+def test_prune_survives_a_storage_delete_error(queued_run, monkeypatch):
+    attempt = running_attempt(queued_run)
+    ship(attempt, 0, 0, 300, width=100)  # goes to storage
+    succeed(attempt)
+    Attempt.objects.filter(id=attempt.id).update(finished_at=NOW - dt.timedelta(days=40))
+    LogChunk.objects.filter(attempt=attempt).update(created_at=NOW - dt.timedelta(days=40))
+    from django.core.files.storage import storages
+
+    storage = storages["scheduler_logs"]
+
+    def denied(name):
+        raise DeleteDenied("AccessDenied (botocore ClientError is not an OSError)")
+
+    monkeypatch.setattr(storage, "delete", denied)
+    try:
+        pruned = logs_prune(now=NOW, retention_days=30)
+    except DeleteDenied as exc:
+        pytest.fail(f"logs_prune raised {exc!r}; no row is ever pruned while it does")
+    assert pruned >= 1

@@ -6,15 +6,22 @@ goes to the backend, reads back through the API, and retention deletes it there.
 from __future__ import annotations
 
 import datetime as dt
+import threading
+import time
 
 import boto3
 import moto
 import pytest
 from django.conf import settings as django_settings
 from django.core.files.storage import storages
+from django.db import connection, transaction
 
-from jobs.models import Attempt
-from logs_app.models import LogChunk
+from dispatch.reaper import ReaperConfig, reaper_run_once
+from dispatch.runtime import run_execute_delivery
+from jobs.clock import db_now
+from jobs.models import Attempt, Run, RunState
+from logs_app import store
+from logs_app.models import LogChunk, LogManifest
 from logs_app.retention import logs_prune
 from tests.logs.test_api import NOW, logs_url, running_attempt, ship, succeed
 
@@ -120,3 +127,77 @@ def test_a_storage_backend_that_fails_keeps_chunks_inline_and_the_run_succeeds(
     lines = [line["n"] for chunk in chunks for line in chunk_lines(chunk)]
     assert lines == list(range(300))
     assert LogManifest.objects.get(attempt__run=run).line_count == 300
+
+
+# --- slow storage: content placed before the chunk's short transaction ---------------
+
+
+# The shipper places content before it locks the attempt row: a heartbeat never waits for
+# a slow storage write.
+@pytest.mark.django_db(transaction=True)
+def test_a_heartbeat_does_not_wait_for_the_shippers_storage_io(queued_run, monkeypatch):
+    run = queued_run()
+    real_place = store.chunk_place
+
+    def slow_place(**kwargs):
+        time.sleep(4)  # a slow S3 PUT (botocore defaults: 60 s timeouts, retries)
+        return real_place(**kwargs)
+
+    monkeypatch.setattr(store, "chunk_place", slow_place)
+    took = {}
+
+    def handler(ctx):
+        print("x" * 20000)
+        time.sleep(1.6)  # the shipper is now inside chunk_ship, in slow_place
+        t = time.monotonic()
+        ctx.heartbeat()
+        took["heartbeat"] = time.monotonic() - t
+        return "ok"
+
+    run_execute_delivery(run_id=str(run.id), handler=handler, worker="w", message_id="m")
+    assert took["heartbeat"] < 0.5, (
+        f"ctx.heartbeat() blocked {took['heartbeat']:.1f}s on the shipper"
+    )
+
+
+# Slow log storage delays the outcome (the last chunks must be stored with it) but holds no
+# row lock meanwhile, and the lease stays renewed, so the reaper does not take the run.
+@pytest.mark.django_db(transaction=True)
+def test_slow_storage_delays_the_outcome_without_holding_locks(queued_run, monkeypatch):
+    from jobs.services import run_cancel_request
+
+    run = queued_run(heartbeat_timeout_seconds=2)
+    real_place = store.chunk_place
+    placing = threading.Event()
+
+    def slow_place(**kwargs):
+        placing.set()
+        time.sleep(5)
+        return real_place(**kwargs)
+
+    monkeypatch.setattr(store, "chunk_place", slow_place)
+
+    def handler(ctx):
+        print("x" * 20000)
+        return "ok"
+
+    worker = threading.Thread(
+        target=lambda: (
+            run_execute_delivery(run_id=str(run.id), handler=handler, worker="w", message_id="m"),
+            connection.close(),
+        )
+    )
+    worker.start()
+    assert placing.wait(10)
+    time.sleep(2.5)  # past the lease of 2 s: only renewals keep it
+    reaped = reaper_run_once(now=db_now(), config=ReaperConfig())
+    started = time.monotonic()
+    locked = Run.objects.select_for_update(nowait=True).filter(id=run.id)
+    with transaction.atomic():
+        assert locked.exists()  # no row lock held while the content is placed
+    waited = time.monotonic() - started
+    worker.join(30)
+    assert reaped.lost == 0 and waited < 1
+    assert Run.objects.get(id=run.id).state == RunState.SUCCEEDED
+    assert LogManifest.objects.filter(attempt__run=run).exists()
+    assert not run_cancel_request(run=Run.objects.get(id=run.id), actor=None, now=db_now())

@@ -1,0 +1,59 @@
+"""Redaction of secret-looking values (logs_app.redaction): the pattern on its own, before
+a log line is stored, and bounded on a line it cannot match (a byte dump)."""
+
+import os
+import time
+
+import pytest
+
+from dispatch.runtime import run_execute_delivery
+from logs_app.models import LogChunk
+from logs_app.redaction import redact
+from tests.factories import stored_lines
+
+
+@pytest.mark.parametrize(
+    ("line", "expected"),
+    [
+        ("password=hunter2 next", "password=[REDACTED] next"),
+        ('{"api_key": "abc123", "user": "bob"}', '{"api_key": "[REDACTED]", "user": "bob"}'),
+        ("Authorization: Bearer eyJhbGci.x.y", "Authorization: [REDACTED]"),
+        ("db_token='s3cr3t'", "db_token='[REDACTED]'"),
+        ("client_secret: zz; ok", "client_secret: [REDACTED]; ok"),
+        ("nothing to hide here", "nothing to hide here"),
+        ("args=('a', 'password=hunter2') next", "args=('a', 'password=[REDACTED]') next"),
+        ("url?token=abc&x=1", "url?token=[REDACTED]&x=1"),
+        ("refreshing the token for bob", "refreshing the token for bob"),
+    ],
+)
+def test_secret_looking_values_are_redacted(line, expected):
+    assert redact(line) == expected
+
+
+@pytest.mark.django_db(transaction=True)
+def test_redaction_happens_before_storage(queued_run):
+    run = queued_run()
+
+    def handler(ctx):
+        ctx.logger.info("connecting with password=%s", "hunter2")
+
+    run_execute_delivery(run_id=str(run.id), handler=handler, worker="w", message_id="m")
+    (line,) = stored_lines(run)
+    assert line["text"] == "connecting with password=[REDACTED]"
+    assert "hunter2" not in LogChunk.objects.get(run=run).content
+
+
+@pytest.mark.django_db(transaction=True)
+def test_printing_a_byte_dump_is_not_quadratic(queued_run):
+    run = queued_run()
+    took = {}
+
+    def handler(ctx):
+        dump = "-".join(f"{b:02X}" for b in os.urandom(5000))  # 15 KB, 'DE-AD-BE-EF-...'
+        t = time.monotonic()
+        print(dump)
+        took["print"] = time.monotonic() - t
+        return "ok"
+
+    run_execute_delivery(run_id=str(run.id), handler=handler, worker="w", message_id="m")
+    assert took["print"] < 0.2, took
