@@ -12,9 +12,9 @@ import pytest
 from celery.exceptions import SoftTimeLimitExceeded
 from django.db import connection
 
-from dispatch import NonRetryableError
+from dispatch import NonRetryableError, StaleAttempt
 from dispatch.reaper import ReaperConfig, reaper_run_once
-from dispatch.runtime import LeaseKeeper, RunContext, StaleAttempt, run_execute_delivery
+from dispatch.runtime import LeaseKeeper, RunContext, run_execute_delivery
 from dispatch.scheduler import SchedulerConfig, scheduler_run_once
 from jobs.clock import db_now
 from jobs.models import (
