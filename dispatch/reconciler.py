@@ -23,6 +23,7 @@ from collections.abc import Callable
 from django.db import transaction
 from django.db.models import Exists, F, OuterRef, Q, Subquery
 from django.db.models.functions import Coalesce
+from kombu import Connection
 
 from jobs.audit import audit_record
 from jobs.counters import counter_increment
@@ -40,6 +41,7 @@ from jobs.retry import retry_decision
 from jobs.transitions import run_count_republish, run_end_orphan, run_give_up
 
 from .config import config_require
+from .loop import BROKER_ERRORS
 
 log = logging.getLogger("dispatch.reconciler")
 
@@ -225,13 +227,9 @@ class BrokerQueueDepth:
     broker cannot be reached (then nothing is re-published: it could not be sent anyway)."""
 
     def __init__(self, broker_url: str, transport_options: dict) -> None:
-        from kombu import Connection
-
         self.connection = Connection(broker_url, transport_options=transport_options)
 
     def __call__(self, queue: str) -> int | None:
-        from .loop import BROKER_ERRORS
-
         try:
             self.connection.ensure_connection(max_retries=1)
             with self.connection.channel() as channel:

@@ -21,6 +21,8 @@ def job_task(name: str, **celery_options):
 
         @app.task(name=name, bind=True, **celery_options)
         def deliver(self, run_id: str):
+            # Imported at delivery, not at import: task modules (and this one, through
+            # `dispatch`) load while Django's apps are still loading, before the models.
             from .runtime import run_execute_delivery
 
             return run_execute_delivery(

@@ -52,8 +52,9 @@ class Command(BaseCommand):
         )
 
     def handle(self, *args, **options):
+        stop = StopSignal().install()
         try:
-            loops = self.loops(options)
+            loops = self.loops(options, stop)
         except ValueError as exc:  # a Config refusing an option's value
             raise CommandError(str(exc)) from exc
         self.stdout.write("scheduler started")
@@ -61,13 +62,12 @@ class Command(BaseCommand):
             loop.start()
         # The scheduler loop ends on SIGTERM or after --max-steps; the others follow it.
         loops[0].join()
-        self.stop.event.set()
+        stop.event.set()
         for loop in loops[1:]:
             loop.join(timeout=30)
 
-    def loops(self, options: dict) -> list[threading.Thread]:
+    def loops(self, options: dict, stop: StopSignal) -> list[threading.Thread]:
         """The loops this process runs, by its options; ValueError for a value out of range."""
-        stop = self.stop = StopSignal().install()
         scheduler = SchedulerConfig(
             batch_size=options["batch_size"], poll_interval=options["poll_interval"]
         )
