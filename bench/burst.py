@@ -4,7 +4,10 @@
 
 Creates a fresh PostgreSQL database and RabbitMQ vhost (dropped afterwards), starts real
 scheduler, relay and Celery worker processes, and prints the lateness of every stage
-(p50 / p99 / max, seconds): due -> created -> published -> started -> finished.
+(p50 / p99 / max, seconds): due -> created -> published -> started -> finished. Then, on the
+same broker and with the same workers, bare Celery drains as many no-op tasks published at
+once (bench/bare_celery.py), and the ratio of the two is printed: the figure to quote, since
+the machine is shared and noisy.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bare_celery import bare_celery_burst  # noqa: E402
 from common import ROOT, bench_environment  # noqa: E402
 
 
@@ -120,14 +124,31 @@ def run_burst(args, env: dict, workdir: Path) -> None:
             ]
             print(f"  {label:28s} {quantiles(values)}")
         started = sorted(r.started_at for r in runs if r.started_at)
-        if len(started) > 1:
-            span = (started[-1] - started[0]).total_seconds()
-            print(f"  throughput: {len(started) / max(span, 1e-9):.0f} runs/s started")
+        span = (started[-1] - started[0]).total_seconds() if started else 0.0
+        throughput = len(started) / max(span, 1e-9)
+        print(f"  throughput: {throughput:.0f} runs/s started")
     finally:
         for process in processes:
             process.terminate()
         for process in processes:
             process.wait(timeout=60)
+    last_start = max((r.started_at - r.due_at).total_seconds() for r in runs if r.started_at)
+    bare = bare_celery_burst(
+        tasks=args.jobs,
+        workers=args.workers,
+        concurrency=args.concurrency,
+        pool=args.pool,
+        broker_url=env["CELERY_BROKER_URL"],
+        workdir=workdir,
+    )
+    print(
+        f"bare Celery, same broker and workers: last start {bare['last_start']:.2f}s, "
+        f"{bare['throughput']:.0f} tasks/s started"
+    )
+    print(
+        f"ratio to bare Celery: last start x{last_start / bare['last_start']:.2f}, "
+        f"throughput x{throughput / bare['throughput']:.2f}"
+    )
 
 
 if __name__ == "__main__":
