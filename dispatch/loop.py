@@ -70,7 +70,10 @@ def run_loop(
     stop: StopSignal,
     max_steps: int | None = None,
     on_error: Callable[[BaseException], None] | None = None,
+    wait: Callable[[float], object] | None = None,
 ) -> None:
+    """Loop `step` until `stop`; `wait(seconds)` sleeps between steps (by default a plain
+    sleep; a `dispatch.wakeup.Listener`'s wait ends early on a notification)."""
     log = logging.getLogger(f"dispatch.{name}")
     backoff = 0.1
     steps = 0
@@ -102,5 +105,5 @@ def run_loop(
             sleep_for = backoff
             backoff = min(MAX_BACKOFF_SECONDS, backoff * 2)
         if sleep_for > 0:
-            stop.wait(sleep_for * random.uniform(0.9, 1.1))
+            (wait or stop.wait)(sleep_for * random.uniform(0.9, 1.1))
     log.info("%s stopped", name)

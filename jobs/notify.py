@@ -1,0 +1,24 @@
+"""Wake-ups through PostgreSQL's LISTEN/NOTIFY, so that a sleeping loop starts on new work at
+once instead of at its next poll. A writer notifies inside the transaction that made the
+work: PostgreSQL delivers the notification at commit, drops it on rollback, and folds
+repeats of the same channel and payload in one transaction into one. Polling stays the
+safety net: a notification missed while a listener reconnects costs one poll interval.
+
+On SQLite (the embedded defaults) `notify` does nothing and loops only poll.
+"""
+
+from django.db import connection
+
+# Outbox rows were committed: the relays publish them.
+CHANNEL_OUTBOX = "scheduler_outbox"
+# A job's next fire moved earlier, or a run was queued for a retry or a release: the
+# schedulers recompute when to wake.
+CHANNEL_SCHEDULE = "scheduler_schedule"
+
+
+def notify(channel: str) -> None:
+    """Wake the listeners of `channel` when the current transaction commits."""
+    if connection.vendor != "postgresql":
+        return
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT pg_notify(%s, '')", [channel])
