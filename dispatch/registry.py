@@ -20,17 +20,23 @@ def job_task(name: str, **celery_options):
         task_register(name=name, handler=handler)
 
         @app.task(name=name, bind=True, **celery_options)
-        def deliver(self, run_id: str):
+        def deliver(self, run_id: str, published_at: str | None = None):
             # Imported at delivery, not at import: task modules (and this one, through
             # `dispatch`) load while Django's apps are still loading, before the models.
             from .runtime import run_execute_delivery
 
-            return run_execute_delivery(
+            summary = run_execute_delivery(
                 run_id=run_id,
                 handler=handler,
                 worker=f"{self.request.hostname or 'worker'}:{os.getpid()}",
                 message_id=self.request.id or "",
+                published_at=published_at,
             )
+            if summary["outcome"] == "claim_failed":
+                # Acknowledged already and not claimed (the database stayed away): never
+                # dropped, the same message goes back to its queue, confirmed by the broker.
+                self.retry(countdown=0, max_retries=None)
+            return summary
 
         return deliver
 

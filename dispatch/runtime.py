@@ -8,6 +8,7 @@ import dataclasses
 import datetime as dt
 import json
 import logging
+import os
 import threading
 import time
 import traceback
@@ -17,13 +18,14 @@ from typing import TypeVar
 
 from celery.exceptions import SoftTimeLimitExceeded
 from django.db import DatabaseError, InterfaceError, OperationalError, connection, transaction
+from django.db.models.functions import Now
 
 from jobs.clock import db_now
 from jobs.counters import counter_increment
 from jobs.effects import EffectRecord, effect_once
 from jobs.models import Attempt, AttemptState, Run, RunState
 from jobs.services import attempt_record_failure, run_record_duplicate_delivery
-from jobs.transitions import attempt_renew_lease, attempt_succeed, run_claim
+from jobs.transitions import attempt_succeed, attempts_renew_leases, run_claim
 from logs_app.capture import LogCapture
 from logs_app.redaction import redact
 from logs_app.store import logs_discard, logs_prepare, logs_seal
@@ -37,66 +39,39 @@ COMPLETION_RETRY_SECONDS = 60.0
 MAX_RESULT_BYTES = 64 * 1024
 
 
-class LeaseKeeper:
-    """Renews the attempt's lease from a thread while the handler runs."""
+class Lease:
+    """One attempt's lease, renewed by its process's LeaseKeeper while the handler runs."""
 
     def __init__(self, attempt: Attempt, lease_seconds: float) -> None:
         self.attempt = attempt
         self.lease_seconds = lease_seconds
         self.interval = max(0.5, lease_seconds / 3)
+        self.renew_at = time.monotonic() + self.interval
         self.lost = threading.Event()
-        # While renewals fail (the database is away), retry every half second, so that the
-        # lease is renewed as soon as it returns, before the reaper's next look.
-        self.failing = False
         # Set while the attempt's own outcome is written: a refusal that finds that outcome
         # recorded is not staleness.
         self.finishing = False
-        self._stop = threading.Event()
-        self._poke = threading.Event()  # renew now: a heartbeat asked, or stop
-        self._waiters: list[threading.Event] = []
-        self._waiters_lock = threading.Lock()
-        self._thread = threading.Thread(target=self._run, name="lease-keeper", daemon=True)
+        self._renewed = threading.Condition()
+        self._renewals = 0  # renewals attempted, successful or not
 
-    def start(self) -> LeaseKeeper:
-        self._thread.start()
-        return self
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._poke.set()
-        self._thread.join(timeout=10)
-
-    def renew_now(self) -> bool:
-        """A renewal made by the keeper's thread, on its own connection, waited for: a
-        handler's heartbeat never writes inside the handler's own transaction (an open
-        `ctx.effect` block would hold it back, and a failure would break that block)."""
-        if not self._thread.is_alive():
-            return not self.lost.is_set()
-        done = threading.Event()
-        with self._waiters_lock:
-            self._waiters.append(done)
-        self._poke.set()
-        done.wait(timeout=max(self.interval, 5.0))
-        return not self.lost.is_set()
-
-    def _release_waiters(self) -> None:
-        with self._waiters_lock:
-            waiters, self._waiters = self._waiters, []
-        for done in waiters:
-            done.set()
+    @property
+    def key(self) -> tuple[int, int, float]:
+        return (self.attempt.id, self.attempt.fencing_token, self.lease_seconds)
 
     def renew(self) -> bool:
-        """One renewal; False once the attempt lost its lease or token."""
+        """One renewal of this lease alone, from the calling thread; False once it is lost."""
         try:
-            renewed = attempt_renew_lease(
-                attempt=self.attempt, now=db_now(), lease_seconds=self.lease_seconds
-            )
+            renewed = attempts_renew_leases(leases=[self.key])
         except DatabaseError:
-            log.warning("lease renewal failed; retrying", exc_info=True)
+            log.warning("lease renewal failed", exc_info=True)
             connection.close()
-            self.failing = True
             return not self.lost.is_set()
-        self.failing = False
+        self.settle(self.attempt.id in renewed)
+        return not self.lost.is_set()
+
+    def settle(self, renewed: bool) -> None:
+        """The outcome of a renewal: a refusal loses the lease, counted unless a cancel or
+        the attempt's own outcome explains it."""
         if not renewed and not self.lost.is_set():
             self.lost.set()
             state = self._attempt_state()
@@ -106,11 +81,11 @@ class LeaseKeeper:
                 pass  # the attempt's own outcome just landed
             else:
                 counter_increment("scheduler_stale_completions_total", labels='kind="heartbeat"')
-        return renewed
+        with self._renewed:
+            self._renewals += 1
+            self._renewed.notify_all()
 
     def _attempt_state(self) -> str | None:
-        """Why a renewal was refused: a cancel or the attempt's own outcome are not
-        staleness, and are not counted as such."""
         try:
             return (
                 Attempt.objects.filter(id=self.attempt.id).values_list("state", flat=True).first()
@@ -118,18 +93,100 @@ class LeaseKeeper:
         except DatabaseError:
             return None
 
+
+class LeaseKeeper:
+    """One thread per worker process renews the leases of every attempt the process runs,
+    all in one statement, each on its own schedule (a third of its lease). A run shorter
+    than that costs the keeper nothing; a heartbeat asks for a renewal now and waits for it.
+    The thread starts with the first lease a process holds (after Celery's fork)."""
+
+    def __init__(self) -> None:
+        self._leases: dict[int, Lease] = {}
+        self._lock = threading.Lock()
+        self._poke = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._pid = 0
+        self.failing = False  # renewals fail (the database is away): retry every half second
+
+    def hold(self, attempt: Attempt, lease_seconds: float) -> Lease:
+        lease = Lease(attempt, lease_seconds)
+        with self._lock:
+            self._leases[attempt.id] = lease
+            if self._thread is None or not self._thread.is_alive() or self._pid != os.getpid():
+                self._pid = os.getpid()
+                self._thread = threading.Thread(target=self._run, name="lease-keeper", daemon=True)
+                self._thread.start()
+        return lease
+
+    def release(self, lease: Lease) -> None:
+        with self._lock:
+            if self._leases.get(lease.attempt.id) is lease:
+                del self._leases[lease.attempt.id]
+            idle = not self._leases
+        if idle:
+            self._poke.set()  # the keeper lets its connection go while it holds nothing
+
+    def held(self) -> list[Lease]:
+        with self._lock:
+            return list(self._leases.values())
+
+    def renew_now(self, lease: Lease) -> bool:
+        """A renewal made by the keeper's thread, on its own connection, waited for: a
+        handler's heartbeat never writes inside the handler's own transaction (an open
+        `ctx.effect` block would hold it back, and a failure would break that block)."""
+        if lease.lost.is_set():
+            return False
+        with lease._renewed:
+            seen = lease._renewals
+            lease.renew_at = 0.0
+            self._poke.set()
+            lease._renewed.wait_for(
+                lambda: lease._renewals > seen, timeout=max(lease.interval, 5.0)
+            )
+        return not lease.lost.is_set()
+
     def _run(self) -> None:
         try:
             while True:
-                self._poke.wait(0.5 if self.failing else self.interval)
+                leases = self.held()
+                now = time.monotonic()
+                due = [lease for lease in leases if lease.renew_at <= now]
+                if due:
+                    self._renew(due)
+                    continue
+                if not leases and connection.connection is not None:
+                    # Only runs longer than a third of their lease ever renew: most never
+                    # do, and an idle process holds no connection for them.
+                    connection.close()
+                wake = min((lease.renew_at for lease in leases), default=now + 1.0)
+                self._poke.wait(min(wake - now, 0.5 if self.failing else 1.0))
                 self._poke.clear()
-                if self._stop.is_set() or self.lost.is_set():
-                    break
-                self.renew()
-                self._release_waiters()
         finally:
-            self._release_waiters()
             connection.close()
+
+    def _renew(self, due: list[Lease]) -> None:
+        try:
+            renewed = attempts_renew_leases(leases=[lease.key for lease in due])
+        except DatabaseError:
+            log.warning("lease renewal failed; retrying", exc_info=True)
+            connection.close()
+            self.failing = True
+            for lease in due:
+                lease.renew_at = time.monotonic() + 0.5
+                with lease._renewed:  # a waiting heartbeat learns nothing new, but returns
+                    lease._renewals += 1
+                    lease._renewed.notify_all()
+            return
+        self.failing = False
+        for lease in due:
+            lease.renew_at = time.monotonic() + lease.interval
+            lease.settle(lease.attempt.id in renewed)
+            if lease.lost.is_set():
+                self.release(lease)
+
+
+# The process's keeper (each Celery pool process has its own, after the fork).
+LEASE_KEEPER = LeaseKeeper()
 
 
 @dataclasses.dataclass
@@ -145,17 +202,17 @@ class RunContext:
     payload_ref: str | None
     logger: logging.LoggerAdapter
     _attempt: Attempt
-    _keeper: LeaseKeeper
+    _lease: Lease
 
     def heartbeat(self) -> bool:
         """Renew the lease now; False means this attempt is no longer the run's owner."""
-        return self._keeper.renew_now()
+        return LEASE_KEEPER.renew_now(self._lease)
 
     @property
     def cancel_requested(self) -> bool:
         """True once the handler should stop: the run was cancelled, or this attempt lost
         its lease (another attempt may own the run now). Seen at the next heartbeat."""
-        return self._keeper.lost.is_set()
+        return self._lease.lost.is_set()
 
     def effect(self, name: str) -> contextlib.AbstractContextManager[EffectRecord]:
         """Record an effect once per run, in a transaction fenced by this attempt's token
@@ -209,38 +266,35 @@ def _with_database_retries(write: Callable[[], T]) -> T:
             delay = min(delay * 2, 5.0)
 
 
-def _claim(*, run_id: str, worker: str) -> tuple[Run | None, Attempt | None]:
-    """Claim the delivered run, retrying through a database outage for a bounded time.
+def _claim(*, run_id: str, worker: str, published_at: dt.datetime | None) -> Attempt | None:
+    """Claim the delivered run (one statement), retrying through a database outage for a
+    bounded time. None: not claimable (a duplicate delivery, a cancelled or unknown run).
 
-    The message was acknowledged when the pool accepted it (docs/semantics.md), so giving
-    up here loses nothing: the run stays queued and reconciliation publishes it again."""
-
+    A retry after an ambiguous commit adopts the attempt the first try may have made."""
     claim_id = uuid.uuid4()
     tries = []
 
-    def claim() -> tuple[Run | None, Attempt | None]:
+    def claim() -> Attempt | None:
         tries.append(1)
-        run = Run.objects.select_related("job_version").filter(id=run_id).first()
-        if run is None:
-            return None, None
         if len(tries) > 1:
-            # A retry after an ambiguous commit: the first try may have claimed it after all.
-            mine = Attempt.objects.filter(
-                run_id=run_id, claim_id=claim_id, state=AttemptState.RUNNING
-            ).first()
+            mine = (
+                Attempt.objects.select_related("run__job_version")
+                .filter(run_id=run_id, claim_id=claim_id, state=AttemptState.RUNNING)
+                .first()
+            )
             if mine is not None:
-                return run, mine
-        spec = run.job_version.spec
-        return run, run_claim(
-            run_id=run_id,
-            worker=worker,
-            now=db_now(),
-            lease_seconds=spec["heartbeat_timeout_seconds"],
-            timeout_seconds=spec.get("timeout_seconds"),
-            claim_id=claim_id,
-        )
+                return mine
+        return run_claim(run_id=run_id, worker=worker, claim_id=claim_id, published_at=published_at)
 
     return _with_database_retries(claim)
+
+
+def _published_at(value: str | None) -> dt.datetime | None:
+    """The relay's publication time, carried by the message (ISO 8601)."""
+    try:
+        return dt.datetime.fromisoformat(value) if value else None
+    except (TypeError, ValueError):
+        return None
 
 
 def _ended(exc: BaseException) -> str:
@@ -299,12 +353,21 @@ def _failure_writer(*, run: Run, attempt: Attempt, exc: BaseException, worker: s
     return write
 
 
-def run_execute_delivery(*, run_id: str, handler: Callable, worker: str, message_id: str) -> dict:
-    """Claim, run and complete one delivered run. Returns a summary for Celery's log."""
+def run_execute_delivery(
+    *,
+    run_id: str,
+    handler: Callable,
+    worker: str,
+    message_id: str,
+    published_at: str | None = None,
+) -> dict:
+    """Claim, run and complete one delivered run. Returns a summary for Celery's log;
+    outcome `claim_failed` means the database stayed away and the caller must deliver the
+    run again (dispatch.registry publishes the message anew)."""
     try:
-        run, attempt = _claim(run_id=run_id, worker=worker)
+        attempt = _claim(run_id=run_id, worker=worker, published_at=_published_at(published_at))
     except (OperationalError, InterfaceError):
-        log.error("could not claim run %s; reconciliation will publish it again", run_id)
+        log.error("could not claim run %s: the database is away", run_id)
         return {"run_id": run_id, "outcome": "claim_failed"}
     if attempt is None:
         # The state now, not as read before the claim: a cancel may have won in between.
@@ -316,8 +379,9 @@ def run_execute_delivery(*, run_id: str, handler: Callable, worker: str, message
         log.info("refused a duplicate delivery of run %s", run_id)
         return {"run_id": run_id, "outcome": "refused"}
 
+    run = attempt.run
     spec = run.job_version.spec
-    keeper = LeaseKeeper(attempt, spec["heartbeat_timeout_seconds"]).start()
+    lease = LEASE_KEEPER.hold(attempt, spec["heartbeat_timeout_seconds"])
     ctx = RunContext(
         run_id=str(run.id),
         job_id=str(run.job_id),
@@ -331,7 +395,7 @@ def run_execute_delivery(*, run_id: str, handler: Callable, worker: str, message
             {"run_id": str(run.id), "attempt": attempt.number},
         ),
         _attempt=attempt,
-        _keeper=keeper,
+        _lease=lease,
     )
     capture = LogCapture(attempt)
     try:
@@ -341,26 +405,26 @@ def run_execute_delivery(*, run_id: str, handler: Callable, worker: str, message
         # The lease stays renewed until the outcome is written: finishing the logs may take
         # a while, and the reaper must not take the run meanwhile.
         logs = _finish_capture(capture, attempt)
-        keeper.finishing = True
+        lease.finishing = True
         write = _failure_writer(run=run, attempt=attempt, exc=exc, worker=worker, logs=logs)
         if not isinstance(exc, Exception):
             # KeyboardInterrupt, SystemExit, CancelledError: recorded, then left to end the
-            # task as they mean to; the lease keeper is stopped either way.
+            # task as they mean to; the lease is released either way.
             try:
                 _with_database_retries(write)
             finally:
-                keeper.stop()
+                LEASE_KEEPER.release(lease)
             raise
     else:
         logs = _finish_capture(capture, attempt)
-        keeper.finishing = True
+        lease.finishing = True
 
         def write() -> str | None:
             with transaction.atomic():
-                now = db_now()
-                won = attempt_succeed(attempt=attempt, now=now, result=_storable_result(result))
+                # The transaction's own time on the database: no separate clock read.
+                won = attempt_succeed(attempt=attempt, result=_storable_result(result))
                 if won:  # the logs are complete whenever the run shows its success
-                    logs_seal(attempt=attempt, now=now, **logs)
+                    logs_seal(attempt=attempt, now=Now(), **logs)
             # Refused, yet succeeded: a retry after an ambiguous commit of this very write.
             won = won or (
                 Attempt.objects.filter(id=attempt.id, state=AttemptState.SUCCEEDED).exists()
@@ -372,7 +436,7 @@ def run_execute_delivery(*, run_id: str, handler: Callable, worker: str, message
     try:
         outcome = _with_database_retries(write)
     finally:
-        keeper.stop()
+        LEASE_KEEPER.release(lease)
     if outcome is None:
         counter_increment("scheduler_stale_completions_total", labels='kind="completion"')
         log.warning("stale completion of run %s attempt %s refused", run_id, attempt.number)

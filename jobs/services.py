@@ -85,7 +85,8 @@ def attempt_record_failure(
     """
     decision = retry_decision(spec=spec, attempt_number=attempt.number, retry_base=retry_base,
                               ended=ended, retryable=retryable, now=now)  # fmt: skip
-    with transaction.atomic():
+    # No savepoint: a refused outcome writes nothing, so there is nothing to roll back.
+    with transaction.atomic(savepoint=False):
         won = attempt_fail(
             attempt=attempt,
             now=now,

@@ -9,14 +9,25 @@ duplicate deliveries) are written here too, each by one conditional UPDATE.
 from __future__ import annotations
 
 import datetime as dt
+import json
 import uuid
 from collections.abc import Iterable
 
 from django.db import connection, transaction
-from django.db.models import F, Q
+from django.db.models import Exists, F, Q
 from django.db.models.functions import Now
 
-from .models import Attempt, AttemptState, FailureReason, Job, JobState, Run, RunState
+from .clock import db_now
+from .models import (
+    Attempt,
+    AttemptState,
+    FailureReason,
+    Job,
+    JobState,
+    JobVersion,
+    Run,
+    RunState,
+)
 
 # -- jobs -------------------------------------------------------------------------------
 # to-state -> the states a job may enter it from.
@@ -224,67 +235,195 @@ def run_claim(
     *,
     run_id,
     worker: str,
-    now: dt.datetime,
-    lease_seconds: float,
+    now: dt.datetime | None = None,
+    lease_seconds: float | None = None,
     timeout_seconds: float | None = None,
     claim_id: uuid.UUID | None = None,
+    published_at: dt.datetime | None = None,
 ) -> Attempt | None:
     """queued -> running, with a new attempt holding the next fencing token and a lease.
 
     None when the run is not queued: a duplicate delivery of a run already claimed or
-    finished, which the caller refuses and counts.
+    finished, which the caller refuses and counts. `now` defaults to the database's clock;
+    `lease_seconds` and `timeout_seconds` to the spec's heartbeat and run timeouts.
+    `published_at` (from the delivered message) stamps the run's first publication.
+
+    The attempt comes with `attempt.run` (and `run.job_version.spec`) as the claim read
+    them, so a worker needs nothing more before it runs the handler. On PostgreSQL the
+    whole claim is one statement: the compare-and-set that issues the token, the read of
+    the spec and the attempt's insert, atomic without a transaction block of its own.
     """
-    # One compare-and-set that also issues the token: UPDATE ... RETURNING (PostgreSQL and
-    # SQLite >= 3.35 both have it; the ORM's update() does not return rows).
-    claim = f"""
-        UPDATE {Run._meta.db_table}
-           SET state = %s, fencing_token = fencing_token + 1, attempt_count = attempt_count + 1,
-               updated_at = %s,
-               started_at = COALESCE(started_at, %s), next_attempt_at = NULL
-         WHERE id = %s AND state IN ({", ".join(["%s"] * len(RUN_TRANSITIONS[RunState.RUNNING]))})
-     RETURNING fencing_token, attempt_count
+    params = {
+        "run_id": Run._meta.pk.get_db_prep_value(run_id, connection),
+        "worker": worker[:200],
+        "claim_id": claim_id,
+        "now": now,
+        "lease": lease_seconds,
+        "timeout": timeout_seconds,
+        "published_at": published_at,
+        "running": RunState.RUNNING,
+        "attempt_running": AttemptState.RUNNING,
+        "from_states": sorted(RUN_TRANSITIONS[RunState.RUNNING]),
+    }
+    claim = _claim_postgresql if connection.vendor == "postgresql" else _claim_portable
+    row = claim(params)
+    if row is None:
+        return None
+    version = JobVersion(id=row["job_version_id"], job_id=row["job_id"], spec=row["spec"])
+    run = Run(
+        id=row["id"], job_id=row["job_id"], job_version=version, kind=row["kind"],
+        state=RunState.RUNNING, scheduled_for=row["scheduled_for"],
+        idempotency_key=row["idempotency_key"], fencing_token=row["fencing_token"],
+        attempt_count=row["attempt_count"], retry_base=row["retry_base"],
+    )  # fmt: skip
+    run._state.adding = False
+    attempt = Attempt(
+        id=row["attempt_id"], run=run, number=row["attempt_count"],
+        fencing_token=row["fencing_token"], state=AttemptState.RUNNING, worker=worker[:200],
+        claim_id=claim_id, lease_expires_at=row["lease_expires_at"],
+        deadline_at=row["deadline_at"], heartbeat_at=row["now"], started_at=row["now"],
+    )  # fmt: skip
+    attempt._state.adding = False
+    return attempt
+
+
+_CLAIMED_COLUMNS = (
+    "id, job_id, job_version_id, kind, scheduled_for, idempotency_key, fencing_token,"
+    " attempt_count, retry_base"
+)
+
+
+def _claim_postgresql(params: dict) -> dict | None:
+    run, version, attempt = (
+        Run._meta.db_table, JobVersion._meta.db_table, Attempt._meta.db_table
+    )  # fmt: skip
+    sql = f"""
+        WITH clock AS (SELECT COALESCE(%(now)s::timestamptz, clock_timestamp()) AS now),
+        claimed AS (
+            UPDATE {run} AS r
+               SET state = %(running)s, fencing_token = r.fencing_token + 1,
+                   attempt_count = r.attempt_count + 1, updated_at = clock.now,
+                   started_at = COALESCE(r.started_at, clock.now), next_attempt_at = NULL,
+                   published_at = COALESCE(r.published_at, %(published_at)s::timestamptz)
+              FROM clock
+             WHERE r.id = %(run_id)s AND r.state = ANY(%(from_states)s)
+         RETURNING {", ".join(f"r.{c.strip()}" for c in _CLAIMED_COLUMNS.split(","))}, clock.now
+        ),
+        timed AS (
+            SELECT claimed.*, v.spec,
+                   claimed.now + make_interval(secs => COALESCE(
+                       %(lease)s::float8, (v.spec->>'heartbeat_timeout_seconds')::float8
+                   )) AS lease_expires_at,
+                   claimed.now + make_interval(secs => COALESCE(
+                       %(timeout)s::float8, (v.spec->>'timeout_seconds')::float8
+                   )) AS deadline_at
+              FROM claimed JOIN {version} AS v ON v.id = claimed.job_version_id
+        ),
+        attempt AS (
+            INSERT INTO {attempt} (run_id, number, fencing_token, state, worker, claim_id,
+                                   lease_expires_at, deadline_at, heartbeat_at, started_at, error)
+            SELECT id, attempt_count, fencing_token, %(attempt_running)s, %(worker)s,
+                   %(claim_id)s, lease_expires_at, deadline_at, now, now, ''
+              FROM timed
+         RETURNING id
+        )
+        SELECT timed.*, attempt.id AS attempt_id FROM timed CROSS JOIN attempt
     """
-    with transaction.atomic():
-        with connection.cursor() as cursor:
-            cursor.execute(
-                claim,
-                [
-                    RunState.RUNNING,
-                    now,
-                    now,
-                    Run._meta.pk.get_db_prep_value(run_id, connection),
-                    *sorted(RUN_TRANSITIONS[RunState.RUNNING]),
-                ],
-            )
-            row = cursor.fetchone()
+    with connection.cursor() as cursor:
+        cursor.execute(sql, params)
+        row = cursor.fetchone()
         if row is None:
             return None
-        token, number = row
-        return Attempt.objects.create(
-            run_id=run_id,
-            number=number,
-            fencing_token=token,
-            state=AttemptState.RUNNING,
-            worker=worker[:200],
-            claim_id=claim_id,
-            lease_expires_at=now + dt.timedelta(seconds=lease_seconds),
-            deadline_at=now + dt.timedelta(seconds=timeout_seconds) if timeout_seconds else None,
-            heartbeat_at=now,
-            started_at=now,
+        row = dict(zip([column.name for column in cursor.description], row, strict=True))
+    if isinstance(row["spec"], str):  # Django has psycopg hand jsonb over as text
+        row["spec"] = json.loads(row["spec"])
+    return row
+
+
+def _claim_portable(params: dict) -> dict | None:
+    """The same claim in three statements in one transaction (SQLite, embedded defaults)."""
+    now = params["now"] or db_now()
+    with transaction.atomic():
+        with connection.cursor() as cursor:
+            states = ", ".join(["%s"] * len(params["from_states"]))
+            cursor.execute(
+                f"""UPDATE {Run._meta.db_table}
+                       SET state = %s, fencing_token = fencing_token + 1,
+                           attempt_count = attempt_count + 1, updated_at = %s,
+                           started_at = COALESCE(started_at, %s), next_attempt_at = NULL,
+                           published_at = COALESCE(published_at, %s)
+                     WHERE id = %s AND state IN ({states})
+                 RETURNING {_CLAIMED_COLUMNS}""",
+                [params["running"], now, now, params["published_at"], params["run_id"],
+                 *params["from_states"]],
+            )  # fmt: skip
+            values = cursor.fetchone()
+            if values is None:
+                return None
+            names = [column.strip() for column in _CLAIMED_COLUMNS.split(",")]
+            row = dict(zip(names, values, strict=True))
+        row["spec"] = JobVersion.objects.values_list("spec", flat=True).get(
+            id=row["job_version_id"]
         )
+        lease = params["lease"] or row["spec"]["heartbeat_timeout_seconds"]
+        timeout = params["timeout"] or row["spec"].get("timeout_seconds")
+        attempt = Attempt.objects.create(
+            run_id=row["id"], number=row["attempt_count"], fencing_token=row["fencing_token"],
+            state=AttemptState.RUNNING, worker=params["worker"], claim_id=params["claim_id"],
+            lease_expires_at=now + dt.timedelta(seconds=lease),
+            deadline_at=now + dt.timedelta(seconds=timeout) if timeout else None,
+            heartbeat_at=now, started_at=now,
+        )  # fmt: skip
+        row.update(
+            now=now, attempt_id=attempt.id, lease_expires_at=attempt.lease_expires_at,
+            deadline_at=attempt.deadline_at,
+        )  # fmt: skip
+        return row
 
 
-def attempt_renew_lease(*, attempt: Attempt, now: dt.datetime, lease_seconds: float) -> bool:
-    """Extend the lease of a running attempt that still holds the current token."""
+def attempts_renew_leases(
+    *, leases: list[tuple[int, int, float]], now: dt.datetime | None = None
+) -> set[int]:
+    """Extend the leases of running attempts that still hold the current token, in one
+    statement: `leases` holds (attempt id, fencing token, lease seconds). Returns the ids
+    renewed; an attempt missing from it lost its lease or token. `now` defaults to the
+    database's clock."""
     # Conditioned on the attempt row alone: every path that moves a run out of `running`
     # ends its running attempt in the same transaction, and a condition through a join is
     # not re-checked by PostgreSQL after waiting on the row (READ COMMITTED), so it could
     # renew an attempt the reaper ended meanwhile.
-    return bool(
-        Attempt.objects.filter(
-            id=attempt.id, state=AttemptState.RUNNING, fencing_token=attempt.fencing_token
-        ).update(heartbeat_at=now, lease_expires_at=now + dt.timedelta(seconds=lease_seconds))
-    )
+    if not leases:
+        return set()
+    if connection.vendor != "postgresql":
+        at = now or db_now()
+        return {
+            attempt_id
+            for attempt_id, token, seconds in leases
+            if Attempt.objects.filter(
+                id=attempt_id, state=AttemptState.RUNNING, fencing_token=token
+            ).update(heartbeat_at=at, lease_expires_at=at + dt.timedelta(seconds=seconds))
+        }
+    ids, tokens, seconds = (list(column) for column in zip(*leases, strict=True))
+    with connection.cursor() as cursor:
+        cursor.execute(
+            f"""
+            WITH clock AS (SELECT COALESCE(%s::timestamptz, clock_timestamp()) AS now)
+            UPDATE {Attempt._meta.db_table} AS a
+               SET heartbeat_at = clock.now,
+                   lease_expires_at = clock.now + make_interval(secs => l.seconds)
+              FROM clock, unnest(%s::bigint[], %s::bigint[], %s::float8[]) AS l(id, token, seconds)
+             WHERE a.id = l.id AND a.state = %s AND a.fencing_token = l.token
+         RETURNING a.id
+            """,
+            [now, ids, tokens, seconds, AttemptState.RUNNING],
+        )
+        return {row[0] for row in cursor.fetchall()}
+
+
+def attempt_renew_lease(*, attempt: Attempt, now: dt.datetime, lease_seconds: float) -> bool:
+    """Extend the lease of a running attempt that still holds the current token."""
+    leases = [(attempt.id, attempt.fencing_token, lease_seconds)]
+    return attempt.id in attempts_renew_leases(leases=leases, now=now)
 
 
 def attempt_abandon(*, attempt: Attempt, now: dt.datetime, error: str) -> bool:
@@ -304,44 +443,56 @@ def _finish(
     *,
     attempt_to: str,
     run_to: str,
-    now: dt.datetime,
+    now: dt.datetime | None,
     error: str = "",
     only_if: Q | None = None,
     **run_fields,
 ) -> bool:
     """The attempt leaves running and its run moves to `run_to`, both or neither, and only
-    while the attempt holds the run's current fencing token."""
-    with transaction.atomic():
-        # No join on the run here: the run's own update below is conditioned on the token,
-        # and losing it rolls both back.
+    while the attempt holds the run's current fencing token. Two statements and no
+    savepoint: the attempt's update is itself conditioned on its run still carrying its
+    token, so once it won the run's update cannot lose (every path that moves a run out of
+    `running` ends its running attempt in the same transaction, attempt row first)."""
+    at = now or Now()
+    current_run = Run.objects.filter(
+        id=attempt.run_id, state=RunState.RUNNING, fencing_token=attempt.fencing_token
+    )
+    with transaction.atomic(savepoint=False):
         rows = Attempt.objects.filter(
-            id=attempt.id, state=AttemptState.RUNNING, fencing_token=attempt.fencing_token
+            Exists(current_run),
+            id=attempt.id,
+            state=AttemptState.RUNNING,
+            fencing_token=attempt.fencing_token,
         )
         if only_if is not None:
             rows = rows.filter(only_if)
-        finished = rows.update(state=attempt_to, finished_at=now, error=error)
-        if not finished:
+        if not rows.update(state=attempt_to, finished_at=at, error=error):
             return False
         if not _move_runs(
             [attempt.run_id],
             run_to,
             token=attempt.fencing_token,
             from_states=[RunState.RUNNING],
-            **run_fields,
+            **{key: at if value is _NOW else value for key, value in run_fields.items()},
         ):
-            transaction.set_rollback(True)
-            return False
+            # Only a hand edit of the run between the two statements gets here.
+            raise RuntimeError(f"run {attempt.run_id} changed under its attempt's outcome")
         return True
 
 
-def attempt_succeed(*, attempt: Attempt, now: dt.datetime, result=None) -> bool:
-    """running -> succeeded, for the attempt and its run."""
+# A run field that takes the transition's own time.
+_NOW = object()
+
+
+def attempt_succeed(*, attempt: Attempt, now: dt.datetime | None = None, result=None) -> bool:
+    """running -> succeeded, for the attempt and its run (`now`: by default the
+    transaction's time on the database)."""
     return _finish(
         attempt,
         attempt_to=AttemptState.SUCCEEDED,
         run_to=RunState.SUCCEEDED,
         now=now,
-        finished_at=now,
+        finished_at=_NOW,
         result=result,
         failure_reason="",
     )

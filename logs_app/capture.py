@@ -9,8 +9,9 @@ are redacted before it is buffered. Output written straight to file descriptors 
 extensions, subprocesses), by threads the handler starts, or by processes it forks, is not
 captured.
 
-A shipper thread sends the buffer as a chunk every `flush_interval_seconds`, or sooner
-when it holds `flush_lines` lines or `flush_bytes` bytes. The handler only appends an
+A shipper thread, started by the first line (most runs print nothing and start none),
+sends the buffer as a chunk every `flush_interval_seconds`, or sooner when it holds
+`flush_lines` lines or `flush_bytes` bytes. The handler only appends an
 encoded line to a list under a lock: shipping never blocks it. When the log store cannot be
 reached, chunks wait in memory (bounded by `buffer_max_bytes`; beyond it lines are dropped,
 and a marker line at the gap says how many) and are sent again. What is left when the
@@ -79,8 +80,7 @@ class LogCapture:
         _install()
         self._owner = threading.get_ident()
         _captures[self._owner] = self
-        self._thread.start()
-        return self
+        return self  # the shipper thread starts with the first line: most runs print nothing
 
     def emit(self, stream: str, level: str, text: str) -> None:
         now = dt.datetime.now(dt.UTC).isoformat()
@@ -142,6 +142,8 @@ class LogCapture:
             self._first_line = self._next_line
         self._lines.append(line)
         self._next_line += 1
+        if not self._stopping and self._thread.ident is None:
+            self._thread.start()
 
     def finish(self) -> tuple[list[Chunk], int]:
         """Stop shipping; (the chunks not yet stored, lines dropped) for `logs_seal`.

@@ -103,21 +103,29 @@ def _unplace(placed: list[PlacedChunk]) -> None:
                 log.warning("could not remove unused log content %s", item.storage_name)
 
 
+def _row(attempt: Attempt, placed: PlacedChunk, now) -> LogChunk:
+    return LogChunk(
+        attempt=attempt,
+        run_id=attempt.run_id,
+        sequence=placed.chunk.sequence,
+        first_line=placed.chunk.first_line,
+        line_count=len(placed.chunk.lines),
+        byte_count=placed.byte_count,
+        sha256=placed.sha256,
+        content=placed.content,
+        storage_name=placed.storage_name,
+        created_at=now,
+    )
+
+
 def _insert(attempt: Attempt, placed: PlacedChunk, now: dt.datetime) -> bool:
     """The chunk's row; False when one was stored already (a re-send)."""
+    row = _row(attempt, placed, now)
+    fields = {
+        f.name: getattr(row, f.name) for f in LogChunk._meta.concrete_fields if not f.primary_key
+    }
     _, created = LogChunk.objects.get_or_create(
-        attempt=attempt,
-        sequence=placed.chunk.sequence,
-        defaults={
-            "run_id": attempt.run_id,
-            "first_line": placed.chunk.first_line,
-            "line_count": len(placed.chunk.lines),
-            "byte_count": placed.byte_count,
-            "sha256": placed.sha256,
-            "content": placed.content,
-            "storage_name": placed.storage_name,
-            "created_at": now,
-        },
+        attempt=attempt, sequence=placed.chunk.sequence, defaults=fields
     )
     return created
 
@@ -161,14 +169,16 @@ def logs_seal(
     attempt: Attempt,
     placed: list[PlacedChunk],
     dropped_lines: int,
-    now: dt.datetime,
+    now,
     shipped: bool = True,
 ) -> None:
     """Store the last chunks' rows and the manifest. Call inside the transaction that ends
     the attempt, after its conditional update won: all of it commits together, or none.
     `shipped`: whether chunks were stored while the attempt ran (False: `placed` is all)."""
-    for item in placed:
-        _insert(attempt, item, now)
+    # One statement; a chunk the shipper stored already (a re-send) is kept as it is.
+    LogChunk.objects.bulk_create(
+        [_row(attempt, item, now) for item in placed], ignore_conflicts=True
+    )
     if shipped:
         rows = list(
             LogChunk.objects.filter(attempt=attempt)

@@ -42,6 +42,11 @@ CELERY_TASK_IGNORE_RESULT = True
 CELERY_RESULT_BACKEND = None
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
 CELERY_BROKER_CONNECTION_MAX_RETRIES = None
+# A pool process keeps its database connection across tasks: Celery's Django fix-up closes
+# it before and after every task unless this is set (a new connection per run cost more
+# than the run). A connection broken meanwhile (PostgreSQL restarted) fails the next
+# claim, which closes it and retries (dispatch.runtime).
+CELERY_DB_REUSE_MAX = 1_000_000
 CELERY_WORKER_HIJACK_ROOT_LOGGER = False
 CELERY_WORKER_SEND_TASK_EVENTS = False
 CELERY_ENABLE_UTC = True

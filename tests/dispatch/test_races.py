@@ -10,11 +10,21 @@ import pytest
 from django.db import transaction
 
 import jobs.transitions as transitions
+from dispatch.errors import StaleAttempt
 from dispatch.reaper import OutageGrace, ReaperConfig, reaper_run_once
 from dispatch.reconciler import ReconcileConfig, reconcile_run_once
-from dispatch.runtime import RunContext, run_execute_delivery
+from dispatch.runtime import LEASE_KEEPER, RunContext, run_execute_delivery
 from dispatch.scheduler import SchedulerConfig, scheduler_run_once
-from jobs.models import Attempt, AttemptState, OutboxMessage, OutboxState, Run, RunState
+from jobs.models import (
+    Attempt,
+    AttemptState,
+    Counter,
+    Effect,
+    OutboxMessage,
+    OutboxState,
+    Run,
+    RunState,
+)
 from jobs.services import run_cancel_request
 from jobs.transitions import attempt_renew_lease, attempt_succeed, run_claim
 from tests.factories import PINNED_NOW
@@ -71,23 +81,31 @@ def test_a_cancel_and_a_completion_of_the_same_attempt_never_deadlock(
 
 
 @pytest.mark.django_db(transaction=True)
-def test_a_worker_stuck_inside_an_effect_does_not_stall_the_reaper(queued_run):
+def test_a_worker_stuck_inside_an_effect_neither_stalls_the_reaper_nor_commits_once_stale(
+    queued_run,
+):
     slow, dead = queued_run(), queued_run()
     held = run_claim(run_id=slow.id, worker="w", now=NOW, lease_seconds=30)
     run_claim(run_id=dead.id, worker="w2", now=later(1), lease_seconds=30)
     inside, release = threading.Event(), threading.Event()
     errors: list = []
+    ran: list = []
 
     def handler_inside_its_effect() -> None:
         ctx = RunContext(
             run_id=str(slow.id), job_id=str(slow.job_id), attempt=held.number,
             idempotency_key=slow.idempotency_key, fencing_token=held.fencing_token,
             scheduled_for=slow.scheduled_for, payload_ref=None, logger=None,
-            _attempt=held, _keeper=None,
+            _attempt=held, _lease=None,
         )  # fmt: skip
-        with ctx.effect("send-mail"):
-            inside.set()
-            release.wait(timeout=20)  # a slow SMTP call, or a frozen process
+        try:
+            with ctx.effect("send-mail"):
+                Counter.objects.create(name="written inside the effect", value=1)
+                inside.set()
+                release.wait(timeout=20)  # a slow SMTP call, or a frozen process
+                ran.append(True)
+        except StaleAttempt:
+            ran.append("refused")
 
     handler = in_thread(handler_inside_its_effect, errors)
     assert inside.wait(5)
@@ -97,9 +115,15 @@ def test_a_worker_stuck_inside_an_effect_does_not_stall_the_reaper(queued_run):
     release.set()
     handler.join(30)
 
+    # The handler's code holds no lock on its run: the reaper ends both expired attempts
+    # at once, and the stale block is refused at its end, its own writes rolled back.
     assert waited < 5
-    assert result.lost == 1  # the dead worker's run was reaped; the locked one skipped
+    assert result.lost == 2
     assert Run.objects.get(id=dead.id).state == RunState.RETRY_WAIT
+    assert Run.objects.get(id=slow.id).state == RunState.RETRY_WAIT
+    assert ran == [True, "refused"]
+    assert not Effect.objects.filter(run_id=slow.id).exists()
+    assert not Counter.objects.filter(name="written inside the effect").exists()
     assert errors == []
 
 
@@ -163,7 +187,7 @@ def test_runs_waiting_out_their_backoff_never_starve_a_newly_lost_message(queued
 
 
 @pytest.mark.django_db(transaction=True)
-def test_a_handler_raising_a_base_exception_stops_its_lease_keeper(queued_run):
+def test_a_handler_raising_a_base_exception_releases_its_lease(queued_run):
     run = queued_run(heartbeat_timeout_seconds=2, retry={"max_attempts": 1})
 
     def handler(ctx, *args, **kwargs):
@@ -174,7 +198,7 @@ def test_a_handler_raising_a_base_exception_stops_its_lease_keeper(queued_run):
     attempt = Attempt.objects.get(run=run)
     assert attempt.state == AttemptState.FAILED
     assert Run.objects.get(id=run.id).state == RunState.FAILED
-    assert not [t for t in threading.enumerate() if t.name == "lease-keeper" and t.is_alive()]
+    assert not LEASE_KEEPER.held()
 
 
 def test_the_reaper_waits_out_a_grace_after_the_database_returns():

@@ -11,7 +11,7 @@ import pytest
 from django.db import connection, transaction
 
 from dispatch.reaper import ReaperConfig, ReaperResult, reaper_run_once
-from dispatch.runtime import LeaseKeeper
+from dispatch.runtime import Lease
 from dispatch.scheduler import SchedulerConfig, scheduler_run_once
 from jobs.models import (
     Attempt,
@@ -185,7 +185,7 @@ def test_the_original_worker_is_refused_after_the_reaper_and_the_retry_takes_tok
         )
         is None
     )
-    keeper = LeaseKeeper(old, LEASE)
+    keeper = Lease(old, LEASE)
     assert keeper.renew() is False
     assert keeper.lost.is_set()
     assert snapshot(run.id) == before

@@ -14,7 +14,7 @@ from django.db import connection
 
 from dispatch import NonRetryableError, StaleAttempt
 from dispatch.reaper import ReaperConfig, reaper_run_once
-from dispatch.runtime import LeaseKeeper, RunContext, run_execute_delivery
+from dispatch.runtime import Lease, RunContext, run_execute_delivery
 from dispatch.scheduler import SchedulerConfig, scheduler_run_once
 from jobs.clock import db_now
 from jobs.models import (
@@ -274,7 +274,7 @@ def test_cancel_of_a_running_run_ends_its_attempt_and_refuses_the_worker(api, qu
     before = snapshot(run.id)
 
     assert attempt_succeed(attempt=attempt, now=later(5), result={"late": True}) is False
-    keeper = LeaseKeeper(attempt, LEASE)
+    keeper = Lease(attempt, LEASE)
     assert keeper.renew() is False
     assert keeper.lost.is_set()
     ctx = RunContext(
@@ -287,7 +287,7 @@ def test_cancel_of_a_running_run_ends_its_attempt_and_refuses_the_worker(api, qu
         payload_ref=None,
         logger=logging.LoggerAdapter(logging.getLogger("tests"), {}),
         _attempt=attempt,
-        _keeper=keeper,
+        _lease=keeper,
     )
     assert ctx.cancel_requested is True
     with pytest.raises(StaleAttempt), ctx.effect("charge"):
