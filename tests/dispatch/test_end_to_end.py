@@ -97,3 +97,40 @@ def test_failing_handler_is_retried_with_backoff_then_failed(stack, make_job):
     ]
     assert gaps[0] >= 1.0 and gaps[1] >= 2.0, gaps
     assert len(stack.executions()) == 3
+
+
+def test_a_worker_keeps_its_database_connections_across_runs(stack, user):
+    """Each pool process opens its connection once, not once per run (Celery's Django
+    fix-up would close it around every task without CELERY_DB_REUSE_MAX)."""
+    from django.db import connection
+
+    from jobs.services import job_create
+    from jobs.validation import JobSpecSerializer
+
+    def sessions() -> int:
+        with connection.cursor() as cursor:
+            cursor.execute(
+                "SELECT sessions FROM pg_stat_database WHERE datname = current_database()"
+            )
+            return cursor.fetchone()[0]
+
+    stack.relay()
+    stack.worker(concurrency=2)
+    now = dt.datetime.now(dt.UTC)
+    for index in range(60):
+        spec = JobSpecSerializer(
+            data={"name": f"j{index}", "task": "tests.record",
+                  "schedule": {"kind": "once", "run_at": now.isoformat()}}
+        )  # fmt: skip
+        spec.is_valid(raise_exception=True)
+        job_create(owner=user, spec=spec.validated_data, now=now)
+    before = sessions()
+    stack.scheduler()
+    wait_for(
+        lambda: Run.objects.filter(state=RunState.SUCCEEDED).count() == 60,
+        timeout=60,
+        message="60 runs to succeed",
+    )
+    # The scheduler's loops and the relay open a few of their own; 60 runs opening one
+    # each would show here.
+    assert sessions() - before < 20

@@ -530,3 +530,33 @@ def test_the_lease_is_kept_while_the_logs_are_finished(queued_run, monkeypatch):
     out = run_execute_delivery(run_id=str(run.id), handler=handler, worker="w", message_id="m")
     run.refresh_from_db()
     assert run.state == RunState.SUCCEEDED, (out, run.state)
+
+
+def test_a_delivery_whose_claim_failed_is_delivered_again(queued_run, monkeypatch):
+    """The message was acknowledged before the claim: when the database stays away past the
+    claim's retries, the task publishes itself again instead of dropping the run."""
+    from django.db import OperationalError
+
+    import dispatch.runtime
+    from tests.sample_tasks import record
+
+    run = queued_run(task="tests.record")
+    real_claim = dispatch.runtime.run_claim
+    calls = []
+
+    def away_once(**kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise OperationalError("connection refused")
+        return real_claim(**kwargs)
+
+    monkeypatch.setattr(dispatch.runtime, "run_claim", away_once)
+    monkeypatch.setattr(dispatch.runtime, "COMPLETION_RETRY_SECONDS", 0.0)
+
+    # Eagerly applied, Celery's retry runs the task again at once, as a worker would on
+    # the message the retry publishes.
+    result = record.apply(kwargs={"run_id": str(run.id)})
+
+    assert len(calls) == 2
+    assert result.get(propagate=False)["outcome"] == "succeeded"
+    assert Run.objects.get(id=run.id).state == RunState.SUCCEEDED

@@ -7,6 +7,7 @@ import datetime as dt
 
 import pytest
 from django.db import IntegrityError, transaction
+from django.db.models import F
 
 from dispatch.scheduler import SchedulerConfig, scheduler_run_once
 from jobs.models import Attempt, AttemptState, OutboxMessage, Run, RunKind, RunState
@@ -14,9 +15,11 @@ from jobs.transitions import (
     attempt_fail,
     attempt_renew_lease,
     attempt_succeed,
+    attempts_renew_leases,
     run_claim,
     runs_requeue,
 )
+from tests import factories
 
 pytestmark = pytest.mark.django_db
 
@@ -263,3 +266,38 @@ def test_second_running_attempt_of_a_run_is_refused_by_the_database(claimed):
             heartbeat_at=later(2),
             started_at=later(2),
         )
+
+
+def test_a_claim_returns_the_run_and_its_spec_and_stamps_the_publication(user):
+    run = factories.queued_run(user, args=[1], heartbeat_timeout_seconds=45, timeout_seconds=600)
+    published = later(-2)
+
+    attempt = run_claim(run_id=run.id, worker="w", now=NOW, published_at=published)
+
+    assert attempt.run.id == run.id and attempt.run.idempotency_key == run.idempotency_key
+    assert attempt.run.job_version.spec["args"] == [1]
+    assert attempt.lease_expires_at == NOW + dt.timedelta(seconds=45)
+    assert attempt.deadline_at == NOW + dt.timedelta(seconds=600)
+    stored = Attempt.objects.get(id=attempt.id)
+    assert (stored.number, stored.fencing_token, stored.lease_expires_at) == (
+        1, 1, NOW + dt.timedelta(seconds=45)
+    )  # fmt: skip
+    run.refresh_from_db()
+    assert (run.published_at, run.started_at) == (published, NOW)
+
+
+def test_leases_are_renewed_together_and_a_stale_one_is_left_out(user):
+    first, second = (
+        run_claim(run_id=factories.queued_run(user).id, worker="w", now=NOW, lease_seconds=LEASE)
+        for _ in range(2)
+    )
+    Run.objects.filter(id=second.run_id).update(fencing_token=F("fencing_token") + 1)
+    Attempt.objects.filter(id=second.id).update(state=AttemptState.LOST)
+
+    renewed = attempts_renew_leases(
+        leases=[(first.id, first.fencing_token, 90), (second.id, second.fencing_token, 90)],
+        now=later(10),
+    )
+
+    assert renewed == {first.id}
+    assert Attempt.objects.get(id=first.id).lease_expires_at == later(100)

@@ -267,3 +267,18 @@ def test_progress_output_without_newlines_stays_fast_and_bounded(queued_run):
 
     run_execute_delivery(run_id=str(run.id), handler=handler, worker="w", message_id="m")
     assert stats["partial_bytes"] < 1_000_000 and stats["seconds"] < 1, stats
+
+
+def test_a_run_that_prints_nothing_starts_no_shipper_and_still_seals_its_log(queued_run):
+    run = queued_run()
+    shippers_before = {t.ident for t in threading.enumerate() if t.name == "log-shipper"}
+
+    def quiet(ctx):
+        started = {t.ident for t in threading.enumerate() if t.name == "log-shipper"}
+        assert started == shippers_before  # nothing printed yet: no thread for it
+        return "ok"
+
+    run_execute_delivery(run_id=str(run.id), handler=quiet, worker="w", message_id="m")
+
+    manifest = LogManifest.objects.get(attempt__run=run)
+    assert (manifest.chunk_count, manifest.line_count) == (0, 0)

@@ -1,0 +1,98 @@
+"""The worker's database path in process: claim, run a no-op handler, complete.
+
+    .venv/bin/python bench/worker_path.py --runs 2000 [--profile]
+
+No broker and no Celery: it measures what one delivery costs our code and PostgreSQL
+(statements per run, runs per second in one process, and with --profile the functions
+that take the time), the part of a run that bare Celery does not have.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import datetime as dt
+import io
+import pstats
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import bench_environment  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--runs", type=int, default=2000)
+    parser.add_argument("--profile", action="store_true")
+    args = parser.parse_args()
+    with bench_environment("wpath", task_modules="tests.sample_tasks"):
+        measure(args)
+
+
+def measure(args) -> None:
+    from django.contrib.auth import get_user_model
+    from django.db import connection
+    from django.test.utils import CaptureQueriesContext
+
+    from dispatch.runtime import run_execute_delivery
+    from dispatch.scheduler import SchedulerConfig, scheduler_run_once
+    from jobs.clock import db_now
+    from jobs.models import Run, RunState
+    from jobs.services import job_create
+    from jobs.validation import JobSpecSerializer
+
+    owner = get_user_model().objects.create_user("bench")
+    now = db_now()
+    spec = JobSpecSerializer(
+        data={"name": "w", "task": "tests.record",
+              "schedule": {"kind": "once", "run_at": now.isoformat()}}
+    )  # fmt: skip
+    spec.is_valid(raise_exception=True)
+    for index in range(args.runs):
+        job_create(owner=owner, spec={**spec.validated_data, "name": f"w {index}"}, now=now)
+    while scheduler_run_once(now=db_now(), config=SchedulerConfig(batch_size=1000)).batch_full:
+        pass
+    run_ids = [
+        str(i) for i in Run.objects.filter(state=RunState.QUEUED).values_list("id", flat=True)
+    ]
+    published = dt.datetime.now(dt.UTC).isoformat()
+
+    def noop(ctx, *args, **kwargs):
+        return None
+
+    def deliver_all(ids):
+        for run_id in ids:
+            run_execute_delivery(
+                run_id=run_id, handler=noop, worker="bench", message_id=run_id,
+                published_at=published,
+            )  # fmt: skip
+
+    warm, rest = run_ids[:50], run_ids[50:]
+    deliver_all(warm)
+    with CaptureQueriesContext(connection) as queries:
+        deliver_all(rest[:100])
+    profiler = cProfile.Profile() if args.profile else None
+    started = time.perf_counter()
+    if profiler:
+        profiler.enable()
+    deliver_all(rest[100:])
+    if profiler:
+        profiler.disable()
+    elapsed = time.perf_counter() - started
+    measured = len(rest) - 100
+    done = Run.objects.filter(state=RunState.SUCCEEDED).count()
+    print(f"runs: {len(run_ids)}, succeeded: {done}")
+    print(f"statements per run: {len(queries) / 100:.1f}")
+    print(f"one process: {measured / elapsed:.0f} runs/s ({elapsed / measured * 1e3:.2f} ms/run)")
+    for query in queries.captured_queries[:12]:
+        print("   ", query["sql"][:110].replace("\n", " "))
+    if profiler:
+        out = io.StringIO()
+        pstats.Stats(profiler, stream=out).sort_stats("cumulative").print_stats(25)
+        print(out.getvalue())
+
+
+if __name__ == "__main__":
+    main()
