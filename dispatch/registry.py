@@ -20,22 +20,38 @@ def job_task(name: str, **celery_options):
         task_register(name=name, handler=handler)
 
         @app.task(name=name, bind=True, **celery_options)
-        def deliver(self, run_id: str, published_at: str | None = None):
+        def deliver(
+            self,
+            run_id: str | None = None,
+            published_at: str | None = None,
+            run_ids: list[str] | None = None,
+            timeout_seconds: float | None = None,
+        ):
             # Imported at delivery, not at import: task modules (and this one, through
             # `dispatch`) load while Django's apps are still loading, before the models.
-            from .runtime import run_execute_delivery
+            from .runtime import run_execute_deliveries, run_execute_delivery
 
-            summary = run_execute_delivery(
-                run_id=run_id,
-                handler=handler,
-                worker=f"{self.request.hostname or 'worker'}:{os.getpid()}",
-                message_id=self.request.id or "",
-                published_at=published_at,
-            )
+            identity = {
+                "handler": handler,
+                "worker": f"{self.request.hostname or 'worker'}:{os.getpid()}",
+                "message_id": self.request.id or "",
+                "published_at": published_at,
+            }
+            if run_ids is None:
+                summary = run_execute_delivery(run_id=run_id, **identity)
+                retry_with = {}
+            else:
+                # A packed message carries no Celery soft limit: each run gets its own.
+                summary = run_execute_deliveries(
+                    run_ids=run_ids, time_limit=timeout_seconds, **identity
+                )
+                retry_with = {"run_ids": summary.get("remaining")}
             if summary["outcome"] == "claim_failed":
                 # Acknowledged already and not claimed (the database stayed away): never
-                # dropped, the same message goes back to its queue, confirmed by the broker.
-                self.retry(countdown=0, max_retries=None)
+                # dropped, the runs not yet claimed go back to their queue in a message
+                # of their own, confirmed by the broker.
+                kwargs = {**self.request.kwargs, **retry_with}
+                self.retry(kwargs=kwargs, countdown=0, max_retries=None)
             return summary
 
         return deliver

@@ -9,6 +9,7 @@ import datetime as dt
 import json
 import logging
 import os
+import signal
 import threading
 import time
 import traceback
@@ -360,10 +361,12 @@ def run_execute_delivery(
     worker: str,
     message_id: str,
     published_at: str | None = None,
+    time_limit: float | None = None,
 ) -> dict:
     """Claim, run and complete one delivered run. Returns a summary for Celery's log;
     outcome `claim_failed` means the database stayed away and the caller must deliver the
-    run again (dispatch.registry publishes the message anew)."""
+    run again (dispatch.registry publishes the message anew). `time_limit`: the handler's
+    own soft time limit, for runs packed in one message (whose Celery limit is the pack's)."""
     try:
         attempt = _claim(run_id=run_id, worker=worker, published_at=_published_at(published_at))
     except (OperationalError, InterfaceError):
@@ -400,7 +403,8 @@ def run_execute_delivery(
     capture = LogCapture(attempt)
     try:
         capture.start()
-        result = handler(ctx, *spec["args"], **spec["kwargs"])
+        with _soft_time_limit(time_limit):
+            result = handler(ctx, *spec["args"], **spec["kwargs"])
     except BaseException as exc:  # noqa: BLE001 - every handler error is the attempt's outcome
         # The lease stays renewed until the outcome is written: finishing the logs may take
         # a while, and the reaper must not take the run meanwhile.
@@ -442,3 +446,54 @@ def run_execute_delivery(
         log.warning("stale completion of run %s attempt %s refused", run_id, attempt.number)
         outcome = "stale"
     return {"run_id": run_id, "attempt": attempt.number, "outcome": outcome}
+
+
+def run_execute_deliveries(
+    *,
+    run_ids: list[str],
+    handler: Callable,
+    worker: str,
+    message_id: str,
+    published_at: str | None = None,
+    time_limit: float | None = None,
+) -> dict:
+    """The runs of one message, in order (the relay packs short runs of one task): each is
+    claimed only when its turn comes, so each has its own attempt, lease, token, deadline
+    and time limit, and is completed on its own; the runs not yet reached stay `queued`.
+    Outcome `claim_failed` carries the runs still to deliver (`remaining`)."""
+    summaries = []
+    for index, run_id in enumerate(run_ids):
+        summary = run_execute_delivery(
+            run_id=run_id, handler=handler, worker=worker, message_id=message_id,
+            published_at=published_at, time_limit=time_limit,
+        )  # fmt: skip
+        if summary["outcome"] == "claim_failed":
+            return {"outcome": "claim_failed", "remaining": run_ids[index:], "runs": summaries}
+        summaries.append(summary)
+    return {"outcome": "done", "runs": summaries}
+
+
+@contextlib.contextmanager
+def _soft_time_limit(seconds: float | None):
+    """Celery's soft time limit for one run inside a packed message: SIGALRM raises
+    SoftTimeLimitExceeded in the handler, as the pool's own limit would. Only in the main
+    thread of a process that has the signal (prefork, solo); elsewhere the reaper's
+    `deadline_at` is the limit, as for the pools that cannot enforce Celery's."""
+    if (
+        not seconds
+        or threading.current_thread() is not threading.main_thread()
+        or not hasattr(signal, "setitimer")
+    ):
+        yield
+        return
+
+    def expire(signum, frame):
+        raise SoftTimeLimitExceeded()
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)

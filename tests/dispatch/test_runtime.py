@@ -560,3 +560,67 @@ def test_a_delivery_whose_claim_failed_is_delivered_again(queued_run, monkeypatc
     assert len(calls) == 2
     assert result.get(propagate=False)["outcome"] == "succeeded"
     assert Run.objects.get(id=run.id).state == RunState.SUCCEEDED
+
+
+def test_runs_packed_in_one_message_each_get_their_own_attempt_and_outcome(queued_run):
+    first, second, done = queued_run(), queued_run(), queued_run()
+    from tests.sample_tasks import record
+
+    record.apply(kwargs={"run_id": str(done.id)})  # already succeeded: a duplicate below
+
+    result = record.apply(
+        kwargs={"run_ids": [str(first.id), str(done.id), str(second.id)], "timeout_seconds": 60}
+    ).get()
+
+    assert [run["outcome"] for run in result["runs"]] == ["succeeded", "refused", "succeeded"]
+    for run in (first, second):
+        run.refresh_from_db()
+        attempt = run.attempts.get()
+        assert (run.state, attempt.fencing_token, attempt.state) == (
+            RunState.SUCCEEDED, 1, AttemptState.SUCCEEDED
+        )  # fmt: skip
+    done.refresh_from_db()
+    assert (done.duplicate_deliveries, done.attempts.count()) == (1, 1)
+
+
+def test_a_packed_run_past_its_time_limit_times_out_alone(queued_run):
+    from tests.sample_tasks import sleep
+
+    slow = queued_run(task="tests.sleep", kwargs={"seconds": 5}, retry={"max_attempts": 1})
+    fast = queued_run(task="tests.sleep", kwargs={"seconds": 0.1})
+
+    result = sleep.apply(
+        kwargs={"run_ids": [str(slow.id), str(fast.id)], "timeout_seconds": 0.5}
+    ).get()
+
+    assert [run["outcome"] for run in result["runs"]] == [RunState.FAILED, RunState.SUCCEEDED]
+    assert slow.attempts.get().state == AttemptState.TIMED_OUT
+    assert Run.objects.get(id=fast.id).state == RunState.SUCCEEDED
+
+
+def test_the_runs_of_a_packed_message_not_yet_claimed_are_delivered_again(queued_run, monkeypatch):
+    from django.db import OperationalError
+
+    import dispatch.runtime
+    from tests.sample_tasks import record
+
+    runs = [queued_run() for _ in range(3)]
+    real_claim = dispatch.runtime.run_claim
+    claimed = []
+
+    def away_at_the_second(**kwargs):
+        claimed.append(kwargs["run_id"])
+        if len(claimed) == 2:
+            raise OperationalError("connection refused")
+        return real_claim(**kwargs)
+
+    monkeypatch.setattr(dispatch.runtime, "run_claim", away_at_the_second)
+    monkeypatch.setattr(dispatch.runtime, "COMPLETION_RETRY_SECONDS", 0.0)
+
+    record.apply(kwargs={"run_ids": [str(run.id) for run in runs]})
+
+    # The retry carried the second and third runs only; each ran once.
+    ids = [str(run.id) for run in runs]
+    assert claimed == [ids[0], ids[1], ids[1], ids[2]]
+    assert all(Run.objects.get(id=run.id).state == RunState.SUCCEEDED for run in runs)
+    assert all(Run.objects.get(id=run.id).attempts.count() == 1 for run in runs)
