@@ -9,15 +9,20 @@ from jobs.registry import task_register
 from scheduler_project.celery import app
 
 
-def job_task(name: str, **celery_options):
+def job_task(name: str, *, pack: int = 1, **celery_options):
     """Register `handler(ctx, *args, **kwargs)` under `name`.
+
+    `pack`: for short tasks, up to this many due runs travel in one broker message, which
+    one pool process runs one after another (each claimed when its turn comes, with its
+    own attempt, lease, token and time limit): fewer messages and task dispatches per run.
+    Leave it at 1 for tasks that may run long: packed runs wait for the ones before them.
 
     The Celery task it becomes receives only the run id; the worker claims the run, loads
     the job's args and kwargs from the run's version, and calls the handler with a context.
     """
 
     def decorate(handler: Callable):
-        task_register(name=name, handler=handler)
+        task_register(name=name, handler=handler, pack=pack)
 
         @app.task(name=name, bind=True, **celery_options)
         def deliver(

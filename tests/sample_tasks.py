@@ -50,3 +50,10 @@ def sleep(ctx, seconds=1.0):
         time.sleep(0.05)
     _record(ctx, "executed")
     return {"slept": seconds}
+
+
+@job_task(name="tests.record_packed", pack=20)
+def record_packed(ctx, *args, **kwargs):
+    """tests.record for short runs: up to 20 travel in one broker message."""
+    _record(ctx, "executed", args=list(args), kwargs=kwargs)
+    return {"ok": True, "args": list(args)}
