@@ -26,10 +26,10 @@ from jobs.counters import counter_increment
 from jobs.effects import EffectRecord, effect_once
 from jobs.models import Attempt, AttemptState, Run, RunState
 from jobs.services import attempt_record_failure, run_record_duplicate_delivery
-from jobs.transitions import attempt_succeed, attempts_renew_leases, run_claim
+from jobs.transitions import attempts_renew_leases, attempts_succeed, run_claim
 from logs_app.capture import LogCapture
 from logs_app.redaction import redact
-from logs_app.store import logs_discard, logs_prepare, logs_seal
+from logs_app.store import logs_discard, logs_prepare, logs_seal, logs_seal_many
 
 from .errors import NonRetryableError
 
@@ -38,6 +38,8 @@ log = logging.getLogger("dispatch.runtime")
 # How long a finished attempt keeps trying to record its outcome while the database is down.
 COMPLETION_RETRY_SECONDS = 60.0
 MAX_RESULT_BYTES = 64 * 1024
+# The longest the successes of a packed message wait to be recorded together.
+PACK_RECORD_SECONDS = 0.1
 
 
 class Lease:
@@ -362,11 +364,14 @@ def run_execute_delivery(
     message_id: str,
     published_at: str | None = None,
     time_limit: float | None = None,
+    defer: list | None = None,
 ) -> dict:
     """Claim, run and complete one delivered run. Returns a summary for Celery's log;
     outcome `claim_failed` means the database stayed away and the caller must deliver the
     run again (dispatch.registry publishes the message anew). `time_limit`: the handler's
-    own soft time limit, for runs packed in one message (whose Celery limit is the pack's)."""
+    own soft time limit, for runs packed in one message (whose Celery limit is the pack's).
+    `defer`: a success is appended there, to be recorded with others (`_record_successes`),
+    instead of at once; its summary's outcome is filled in then."""
     try:
         attempt = _claim(run_id=run_id, worker=worker, published_at=_published_at(published_at))
     except (OperationalError, InterfaceError):
@@ -422,30 +427,75 @@ def run_execute_delivery(
     else:
         logs = _finish_capture(capture, attempt)
         lease.finishing = True
-
-        def write() -> str | None:
-            with transaction.atomic():
-                # The transaction's own time on the database: no separate clock read.
-                won = attempt_succeed(attempt=attempt, result=_storable_result(result))
-                if won:  # the logs are complete whenever the run shows its success
-                    logs_seal(attempt=attempt, now=Now(), **logs)
-            # Refused, yet succeeded: a retry after an ambiguous commit of this very write.
-            won = won or (
-                Attempt.objects.filter(id=attempt.id, state=AttemptState.SUCCEEDED).exists()
-            )
-            if not won:
-                logs_discard(logs["placed"])
-            return RunState.SUCCEEDED if won else None
+        summary = {"run_id": run_id, "attempt": attempt.number, "outcome": "pending"}
+        success = _Success(attempt, _storable_result(result), logs, lease, summary)
+        if defer is None:
+            _record_successes([success])
+        else:
+            defer.append(success)  # recorded with the next ones of its pack
+        return summary
 
     try:
         outcome = _with_database_retries(write)
     finally:
         LEASE_KEEPER.release(lease)
     if outcome is None:
-        counter_increment("scheduler_stale_completions_total", labels='kind="completion"')
-        log.warning("stale completion of run %s attempt %s refused", run_id, attempt.number)
+        _count_stale(run_id, attempt)
         outcome = "stale"
     return {"run_id": run_id, "attempt": attempt.number, "outcome": outcome}
+
+
+def _count_stale(run_id, attempt: Attempt) -> None:
+    counter_increment("scheduler_stale_completions_total", labels='kind="completion"')
+    log.warning("stale completion of run %s attempt %s refused", run_id, attempt.number)
+
+
+@dataclasses.dataclass
+class _Success:
+    """A handler that returned: its outcome, still to be recorded."""
+
+    attempt: Attempt
+    result: object  # as the database stores it
+    logs: dict  # logs_seal's arguments
+    lease: Lease  # renewed until the outcome is recorded
+    summary: dict  # its `outcome` is filled in once recorded
+
+
+def _record_successes(successes: list[_Success]) -> None:
+    """Record succeeded attempts, one or a pack's worth, in one transaction of a few
+    statements (attempts and runs in one, the log manifests in one), each only while it
+    holds its run's current token; a refused one is stale, counted, its logs discarded."""
+
+    def write() -> set[int]:
+        with transaction.atomic():
+            won = attempts_succeed(outcomes=[(s.attempt, s.result) for s in successes])
+            # The logs are complete whenever the run shows its success.
+            logs_seal_many(
+                sealed=[(s.attempt, s.logs) for s in successes if s.attempt.id in won],
+                now=Now(),  # the transaction's own time on the database
+            )
+        refused = [s.attempt.id for s in successes if s.attempt.id not in won]
+        if refused:
+            # Refused, yet succeeded: a retry after an ambiguous commit of this very write.
+            won |= set(
+                Attempt.objects.filter(id__in=refused, state=AttemptState.SUCCEEDED).values_list(
+                    "id", flat=True
+                )
+            )
+        return won
+
+    try:
+        won = _with_database_retries(write)
+    finally:
+        for success in successes:
+            LEASE_KEEPER.release(success.lease)
+    for success in successes:
+        if success.attempt.id in won:
+            success.summary["outcome"] = RunState.SUCCEEDED
+        else:
+            logs_discard(success.logs["placed"])
+            _count_stale(success.attempt.run_id, success.attempt)
+            success.summary["outcome"] = "stale"
 
 
 def run_execute_deliveries(
@@ -461,15 +511,27 @@ def run_execute_deliveries(
     claimed only when its turn comes, so each has its own attempt, lease, token, deadline
     and time limit, and is completed on its own; the runs not yet reached stay `queued`.
     Outcome `claim_failed` carries the runs still to deliver (`remaining`)."""
-    summaries = []
-    for index, run_id in enumerate(run_ids):
-        summary = run_execute_delivery(
-            run_id=run_id, handler=handler, worker=worker, message_id=message_id,
-            published_at=published_at, time_limit=time_limit,
-        )  # fmt: skip
-        if summary["outcome"] == "claim_failed":
-            return {"outcome": "claim_failed", "remaining": run_ids[index:], "runs": summaries}
-        summaries.append(summary)
+    summaries: list[dict] = []
+    successes: list[_Success] = []
+    held_since = 0.0
+    try:
+        for index, run_id in enumerate(run_ids):
+            summary = run_execute_delivery(
+                run_id=run_id, handler=handler, worker=worker, message_id=message_id,
+                published_at=published_at, time_limit=time_limit, defer=successes,
+            )  # fmt: skip
+            if summary["outcome"] == "claim_failed":
+                return {"outcome": "claim_failed", "remaining": run_ids[index:], "runs": summaries}
+            summaries.append(summary)
+            if successes and not held_since:
+                held_since = time.monotonic()
+            if successes and time.monotonic() - held_since >= PACK_RECORD_SECONDS:
+                # Successes wait at most this long to be recorded, however long the pack.
+                _record_successes(successes)
+                successes, held_since = [], 0.0
+    finally:
+        if successes:
+            _record_successes(successes)
     return {"outcome": "done", "runs": summaries}
 
 

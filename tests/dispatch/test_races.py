@@ -274,13 +274,13 @@ def test_a_completion_whose_commit_answer_was_lost_is_not_counted_stale(queued_r
     from jobs.models import Counter
 
     run = queued_run()
-    real_succeed = runtime.attempt_succeed
+    real_succeed = runtime.attempts_succeed
     failures = []
 
     def commits_then_loses_the_answer(**kwargs):
         won = real_succeed(**kwargs)
         if not failures:
-            failures.append(won)
+            failures.append(bool(won))
             raise_after_commit.append(True)  # lose the answer once its transaction commits
         return won
 
@@ -297,7 +297,7 @@ def test_a_completion_whose_commit_answer_was_lost_is_not_counted_stale(queued_r
 
         return real_retries(once)
 
-    monkeypatch.setattr(runtime, "attempt_succeed", commits_then_loses_the_answer)
+    monkeypatch.setattr(runtime, "attempts_succeed", commits_then_loses_the_answer)
     monkeypatch.setattr(runtime, "_with_database_retries", flaky)
     monkeypatch.setattr(runtime.time, "sleep", lambda seconds: None)
     result = run_execute_delivery(
