@@ -1,0 +1,139 @@
+"""Profile of the worker path: one Celery worker (`--pool=solo`, so every task runs in the
+profiled main thread) under cProfile, over `--jobs` runs of a no-op job.
+
+    .venv/bin/python bench/profile_worker.py --jobs 2000 --output bench/results/profile.txt
+
+A real scheduler and relay feed it (a fresh database and vhost, dropped afterwards); the
+jobs are due at one instant, so the worker is never idle for long. Prints, per run, how
+often the worker's path calls what the issue counts (statements, connections, commits,
+threads), then the top functions by cumulative and by own time. The lease keeper's and log
+shipper's threads are not profiled (cProfile follows one thread): their cost shows as the
+statements and time of the threads they start, not inside them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import io
+import pstats
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from common import (  # noqa: E402
+    ROOT,
+    Stack,
+    bench_environment,
+    create_due_burst,
+    create_once_jobs,
+)
+
+# (label, path suffix of the file, function name): counted per run.
+COUNTED = [
+    ("SQL statements (Django cursor execute)", "django/db/backends/utils.py", "_execute"),
+    ("new database connections", "django/db/backends/base/base.py", "connect"),
+    ("connections closed", "django/db/backends/base/base.py", "close"),
+    ("commits (Django)", "django/db/backends/base/base.py", "commit"),
+    ("atomic blocks entered", "django/db/transaction.py", "__enter__"),
+    ("savepoints", "django/db/backends/base/base.py", "savepoint"),
+    ("threads started", "threading.py", "start"),
+    ("task executions (Celery trace)", "celery/app/trace.py", "trace_task"),
+]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--jobs", type=int, default=2000)
+    parser.add_argument("--top", type=int, default=45)
+    parser.add_argument("--timeout", type=float, default=1800)
+    parser.add_argument("--output", type=Path, default=None, help="also write the text here")
+    args = parser.parse_args()
+    # The Stack's options: one scheduler and one relay feed the profiled worker.
+    stack_args = argparse.Namespace(
+        schedulers=1, relays=1, scheduler_args="", relay_args="", workers=0
+    )
+    with bench_environment("bench_profile", task_modules="tests.sample_tasks") as (env, workdir):
+        text = profile(args, stack_args, env, workdir)
+    print(text)
+    if args.output:
+        args.output.parent.mkdir(parents=True, exist_ok=True)
+        args.output.write_text(text)
+        print(f"written: {args.output}")
+
+
+def profile(args, stack_args, env: dict, workdir: Path) -> str:
+    from dispatch.commands import worker_argv
+    from jobs.models import Run, RunState
+
+    out = workdir / "worker.prof"
+    argv = worker_argv(
+        name="profiled", concurrency=1, queues=["jobs"], loglevel="WARNING", extra=("--pool=solo",)
+    )
+    assert argv[1:3] == ["-m", "celery"], argv
+    argv = [sys.executable, "-m", "cProfile", "-o", str(out), *argv[1:]]
+    with Stack(stack_args, env, workdir, label="profile") as stack:
+        stack.start(workers=False)
+        log = open(workdir / "profile-worker.log", "ab")  # noqa: SIM115
+        worker = subprocess.Popen(argv, env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            create_once_jobs("warmup", 2, dt.datetime.now(dt.UTC))
+            due = create_due_burst("profile", args.jobs, min_lead=5)
+            began = time.monotonic()
+            deadline = began + args.timeout
+            succeeded = 0
+            while succeeded < args.jobs + 2:
+                if time.monotonic() > deadline or worker.poll() is not None:
+                    raise SystemExit(f"profiled worker: {succeeded} runs; see {workdir}")
+                time.sleep(0.5)
+                succeeded = Run.objects.filter(state=RunState.SUCCEEDED).count()
+            wall = (dt.datetime.now(dt.UTC) - due).total_seconds()
+        finally:
+            worker.terminate()
+            worker.wait(timeout=120)
+            log.close()
+    runs = args.jobs + 2
+    stats = pstats.Stats(str(out))
+    report = io.StringIO()
+    report.write(
+        f"Worker-path profile: one worker, --pool=solo, cProfile, {runs} runs of tests.record\n"
+        f"(a no-op that appends one line to a file when SAMPLE_TASK_RECORD is set; unset here).\n"
+        f"Taken {dt.datetime.now(dt.UTC):%Y-%m-%d %H:%M} UTC by bench/profile_worker.py on "
+        f"{git_commit()}; due -> last success {wall:.1f}s\n"
+        f"({runs / wall:.1f} runs/s under the profiler). Machine: 2 cores shared with other\n"
+        f"sessions (noisy); the counts per run are exact, the times are not.\n\n"
+    )
+    report.write(f"Per run (calls / {runs} runs), the worker's main thread:\n")
+    for label, suffix, name in COUNTED:
+        calls = sum(
+            stat[1]  # primitive calls
+            for (path, _line, function), stat in stats.stats.items()
+            if path.endswith(suffix) and function == name
+        )
+        report.write(f"  {label:42s} {calls / runs:8.2f}\n")
+    report.write(
+        f"\nProfile total {stats.total_tt:.1f}s; per run {1000 * stats.total_tt / runs:.2f}"
+    )
+    report.write(" ms (includes the worker's start and idle waits)\n\n")
+    for order, count in (("cumulative", args.top), ("tottime", 25)):
+        buffer = io.StringIO()
+        pstats.Stats(str(out), stream=buffer).sort_stats(order).print_stats(count)
+        body = buffer.getvalue()
+        for prefix in (*sorted(set(sys.path) - {""}, key=len, reverse=True), str(ROOT)):
+            body = body.replace(prefix.rstrip("/") + "/", "")
+        body = body[body.find("   ncalls") :] if "   ncalls" in body else body
+        report.write(f"Top {count} by {order} time:\n{body}\n")
+    return report.getvalue()
+
+
+def git_commit() -> str:
+    result = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
+                            capture_output=True, text=True)  # fmt: skip
+    return result.stdout.strip() or "unknown"
+
+
+if __name__ == "__main__":
+    main()
