@@ -192,9 +192,14 @@ def task_path(stats: pstats.Stats, *, runs: int, top: int) -> str:
 
 
 def git_commit() -> str:
-    result = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
-                            capture_output=True, text=True)  # fmt: skip
-    return result.stdout.strip() or "unknown"
+    """HEAD, and the last commit that changed the product (anything outside bench/)."""
+
+    def last(*paths: str) -> str:
+        result = subprocess.run(["git", "log", "-1", "--format=%h", "--", *paths], cwd=ROOT,
+                                capture_output=True, text=True)  # fmt: skip
+        return result.stdout.strip() or "unknown"
+
+    return f"{last()} (product code as of {last('.', ':!bench', ':!README.md')})"
 
 
 if __name__ == "__main__":
