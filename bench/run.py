@@ -178,46 +178,52 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser().parse_args(argv)
     names = ALL if args.workload == "all" else [args.workload]
     started = dt.datetime.now(dt.UTC)
-    load_before = os.getloadavg()
     output = args.output or HERE / "results" / f"{started:%Y%m%dT%H%M%SZ}.json"
-    results: dict = {}
-    from workloads import WORKLOADS
-
-    jobs_given = args.jobs
-    with bench_environment("bench", task_modules="tests.sample_tasks") as (env, workdir):
-        print(f"work directory (process logs): {workdir}")
-        for name in names:
-            args.jobs = jobs_given or DEFAULT_JOBS.get(name)
-            reps = []
-            for rep in range(args.repeat):
-                print(f"{name} ({rep + 1}/{args.repeat}) ...", flush=True)
-                reps.append(WORKLOADS[name](args, env, workdir))
-            results[name] = {
-                "jobs": args.jobs,
-                "median": median_tree(reps),
-                "repetitions": reps,
-            }
-    args.jobs = jobs_given
-    print_table(results)
     document = {
         "started": started.isoformat(),
-        "finished": dt.datetime.now(dt.UTC).isoformat(),
         "commit": git_commit(),
         "host": {
             "node": platform.node(),
             "cpus": os.cpu_count(),
             "python": sys.version,
             # The machine is shared: its load says how much the figures can be trusted.
-            "load_average_before": load_before,
-            "load_average_after": os.getloadavg(),
+            "load_average_before": os.getloadavg(),
         },
         "options": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-        "results": results,
+        "results": {},
     }
+    from workloads import WORKLOADS
+
+    try:
+        with bench_environment("bench", task_modules="tests.sample_tasks") as (env, workdir):
+            print(f"work directory (process logs): {workdir}")
+            for name in names:
+                args.jobs = document["options"]["jobs"] or DEFAULT_JOBS.get(name)
+                reps = []
+                for rep in range(args.repeat):
+                    print(f"{name} ({rep + 1}/{args.repeat}) ...", flush=True)
+                    reps.append(WORKLOADS[name](args, env, workdir))
+                document["results"][name] = {
+                    "jobs": args.jobs,
+                    "median": median_tree(reps),
+                    "repetitions": reps,
+                }
+                write(document, output)  # what is measured is kept, whatever follows
+    except BaseException as exc:
+        document["error"] = repr(exc)
+        raise
+    finally:
+        write(document, output)
+        print_table(document["results"])
+        print(f"written: {output}")
+    return document
+
+
+def write(document: dict, output: Path) -> None:
+    document["finished"] = dt.datetime.now(dt.UTC).isoformat()
+    document["host"]["load_average_after"] = os.getloadavg()
     output.parent.mkdir(parents=True, exist_ok=True)
     output.write_text(json.dumps(document, indent=2, default=str) + "\n")
-    print(f"written: {output}")
-    return document
 
 
 if __name__ == "__main__":
