@@ -65,15 +65,26 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def median_tree(results: list):
-    """The median of every number across repetitions, keeping the shape of one result
-    (lists, such as W2's boundaries, are kept from the first repetition)."""
+# Integrity counts: across repetitions the worst one is reported, never a median.
+WORST = {"missing", "doubled", "missed", "duplicate_deliveries", "runs_with_several_attempts"}
+
+
+def median_tree(results: list, key: str = ""):
+    """The median of every number across repetitions (the worst for integrity counts),
+    keeping the shape of one result (lists, such as W2's boundaries, are kept from the
+    first repetition; the JSON holds every repetition)."""
     first = results[0]
     if isinstance(first, dict):
-        return {key: median_tree([r.get(key) for r in results]) for key in first}
+        return {k: median_tree([r.get(k) if r else None for r in results], k) for k in first}
     numbers = [r for r in results if isinstance(r, int | float) and not isinstance(r, bool)]
     if numbers and len(numbers) == len(results):
+        if key in WORST:
+            return max(numbers)
+        if all(isinstance(n, int) for n in numbers):
+            return statistics.median_low(numbers)
         return statistics.median(numbers)
+    if all(isinstance(r, bool) for r in results):
+        return any(results)  # timed_out: in any repetition
     return first
 
 
