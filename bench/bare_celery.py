@@ -2,8 +2,9 @@
 
 A plain Celery app (no Django, no database) whose task does nothing but note when it
 started. Its workers get the options the product's workers get (JSON, persistent messages,
-prefetch 1, acknowledgement on receipt, the same pool, count and concurrency), so the
-ratio of the two measures what the product adds: durable runs, leases, outcomes, logs.
+prefetch 1, the same pool, count and concurrency), so the ratio of the two measures what
+the product adds: durable runs, leases, outcomes, logs. Acknowledgement is late by default
+(issue 10 defines the baseline so; `acks_late=False` matches the product's early acks).
 
     celery -A bare_celery worker -Q bare    # started by `bare_celery_burst`, from bench/
 """
@@ -27,7 +28,7 @@ app.conf.update(
     accept_content=["json"],
     task_default_queue=QUEUE,
     task_default_delivery_mode="persistent",
-    task_acks_late=False,
+    task_acks_late=os.environ.get("BARE_ACKS_LATE", "true") == "true",
     worker_prefetch_multiplier=1,
     task_ignore_result=True,
     worker_hijack_root_logger=False,
@@ -59,14 +60,26 @@ def _wait_for(record: Path, count: int, timeout: float) -> list[float]:
 
 
 def bare_celery_burst(
-    *, tasks: int, workers: int, concurrency: int, pool: str, broker_url: str, workdir: Path
+    *,
+    tasks: int,
+    workers: int,
+    concurrency: int,
+    pool: str,
+    broker_url: str,
+    workdir: Path,
+    acks_late: bool = True,
 ) -> dict:
     """Publish `tasks` no-ops at once to running workers; the last start after the first
-    publish (seconds) and the start rate (tasks/s)."""
+    publish (seconds, the drain time) and the start rate between the first and the last
+    start (tasks/s)."""
     record = workdir / "bare-starts.txt"
     # Without DJANGO_SETTINGS_MODULE: Celery's Django fix-up would set Django up per worker.
     env = {k: v for k, v in os.environ.items() if k != "DJANGO_SETTINGS_MODULE"}
-    env.update(CELERY_BROKER_URL=broker_url, BARE_RECORD=str(record))
+    env.update(
+        CELERY_BROKER_URL=broker_url,
+        BARE_RECORD=str(record),
+        BARE_ACKS_LATE="true" if acks_late else "false",
+    )
     app.conf.broker_url = broker_url
     log = open(workdir / "bare-workers.log", "ab")  # noqa: SIM115
     argv = [sys.executable, "-m", "celery", "-A", "bare_celery", "worker", "-Q", QUEUE,
@@ -87,11 +100,15 @@ def bare_celery_burst(
         first_publish = time.time()
         for _ in range(tasks):
             noop.apply_async()
+        published = time.time()
         starts = _wait_for(record, tasks, timeout=600)
         span = max(starts) - min(starts)
         return {
+            "tasks": tasks,
+            "acks_late": acks_late,
+            "publish_seconds": published - first_publish,
             "last_start": max(starts) - first_publish,
-            "throughput": tasks / max(span, 1e-9),
+            "throughput": (len(starts) - 1) / max(span, 1e-9),
         }
     finally:
         for process in processes:

@@ -1,13 +1,18 @@
 """What every benchmark needs: a fresh PostgreSQL database and RabbitMQ vhost of its own,
-the environment its processes run with, and Django set up on it; all dropped afterwards."""
+the environment its processes run with, and Django set up on it; all dropped afterwards.
+Beside it: the product's processes as one `Stack`, job creation, and quantiles."""
 
 from __future__ import annotations
 
 import contextlib
+import datetime as dt
+import math
 import os
+import shlex
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -51,3 +56,221 @@ def bench_environment(prefix: str, *, task_modules: str) -> Iterator[tuple[dict,
             ["psql", f"{PG}/postgres", "-qc", f"DROP DATABASE IF EXISTS {name} WITH (FORCE)"]
         )
         subprocess.run(["rabbitmqctl", "-q", "delete_vhost", name])
+
+
+# -- figures ------------------------------------------------------------------------------
+
+
+def quantile(values: list[float], q: float) -> float | None:
+    """Nearest-rank quantile (p99 of 100 values is the 99th smallest); None when empty."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[max(0, min(len(ordered) - 1, math.ceil(q * len(ordered)) - 1))]
+
+
+def summary(values: list[float]) -> dict:
+    """p50 / p99 / max (seconds) and the count."""
+    return {
+        "n": len(values),
+        "p50": quantile(values, 0.5),
+        "p99": quantile(values, 0.99),
+        "max": max(values) if values else None,
+    }
+
+
+# -- the product's processes --------------------------------------------------------------
+
+
+class Stack:
+    """Schedulers, relays and Celery workers of the product, each with its own log file in
+    the work directory; `stop()` sends SIGTERM and waits (SIGKILL after 60 s)."""
+
+    def __init__(self, args, env: dict, workdir: Path, *, label: str) -> None:
+        self.args, self.env, self.workdir, self.label = args, env, workdir, label
+        self.processes: list[tuple[str, subprocess.Popen]] = []
+
+    def _start(self, name: str, argv: list[str], **extra_env: str) -> subprocess.Popen:
+        log = open(self.workdir / f"{self.label}-{name}.log", "ab")  # noqa: SIM115
+        process = subprocess.Popen(
+            argv, env={**self.env, **extra_env}, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT
+        )
+        log.close()
+        self.processes.append((name, process))
+        return process
+
+    def start(self, *, workers: bool = True, schedulers: bool = True, relays: bool = True):
+        from dispatch.commands import worker_argv
+
+        manage = [sys.executable, str(ROOT / "manage.py")]
+        if schedulers:
+            for index in range(self.args.schedulers):
+                self._start(
+                    f"scheduler{index}",
+                    [*manage, "scheduler", *shlex.split(self.args.scheduler_args)],
+                )
+        if relays:
+            for index in range(self.args.relays):
+                self._start(f"relay{index}", [*manage, "relay", *shlex.split(self.args.relay_args)])
+        if workers:
+            for index in range(self.args.workers):
+                argv = worker_argv(
+                    name=f"{self.label}w{index}",
+                    concurrency=self.args.concurrency,
+                    queues=["jobs"],
+                    loglevel="WARNING",
+                    extra=(f"--pool={self.args.pool}", *shlex.split(self.args.worker_args)),
+                )
+                self._start(f"worker{index}", argv)
+        self.wait_started()
+        return self
+
+    def wait_started(self, timeout: float = 120) -> None:
+        """Every scheduler and relay has printed its start line (workers: see `warm_up`)."""
+        deadline = time.monotonic() + timeout
+        for name, process in self.processes:
+            word = {"scheduler": b"scheduler started", "relay": b"relay started"}.get(
+                name.rstrip("0123456789")
+            )
+            if word is None:
+                continue
+            path = self.workdir / f"{self.label}-{name}.log"
+            while word not in path.read_bytes():
+                if process.poll() is not None or time.monotonic() > deadline:
+                    raise SystemExit(f"{name} did not start: see {path}")
+                time.sleep(0.1)
+
+    def check_alive(self) -> None:
+        for name, process in self.processes:
+            if process.poll() is not None:
+                path = self.workdir / f"{self.label}-{name}.log"
+                raise SystemExit(f"{name} exited ({process.returncode}): see {path}")
+
+    def stop(self) -> None:
+        for _, process in self.processes:
+            if process.poll() is None:
+                process.terminate()
+        for _, process in self.processes:
+            try:
+                process.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+        self.processes.clear()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+# -- jobs ---------------------------------------------------------------------------------
+
+
+def bench_owner():
+    from django.contrib.auth import get_user_model
+
+    return get_user_model().objects.get_or_create(username="bench")[0]
+
+
+def validated_spec(body: dict) -> dict:
+    from jobs.validation import JobSpecSerializer
+
+    spec = JobSpecSerializer(data=body)
+    spec.is_valid(raise_exception=True)
+    return dict(spec.validated_data)
+
+
+def once_spec(name: str, due: dt.datetime, task: str = "tests.record") -> dict:
+    return validated_spec(
+        {"name": name, "task": task, "schedule": {"kind": "once", "run_at": due.isoformat()}}
+    )
+
+
+def create_once_jobs(prefix: str, count: int, due: dt.datetime) -> None:
+    """`count` one-time jobs named "<prefix> <i>", through `jobs.services.job_create`."""
+    from jobs.services import job_create
+
+    owner = bench_owner()
+    spec = once_spec(prefix, due)
+    now = dt.datetime.now(dt.UTC)
+    for index in range(count):
+        job_create(owner=owner, spec={**spec, "name": f"{prefix} {index}"}, now=now)
+
+
+def creation_rate(probe: int = 50) -> float:
+    """Jobs per second `job_create` manages here, now (the probe's jobs are deleted)."""
+    from jobs.models import Job
+
+    far = dt.datetime.now(dt.UTC) + dt.timedelta(days=365)
+    began = time.monotonic()
+    create_once_jobs("probe", probe, far)
+    rate = probe / max(time.monotonic() - began, 1e-6)
+    Job.objects.filter(name__startswith="probe ").delete()
+    return rate
+
+
+def create_due_burst(prefix: str, count: int, *, min_lead: float) -> dt.datetime:
+    """`count` one-time jobs all due at one whole second, far enough ahead that creating them
+    ends before it (measured); returns that instant."""
+    rate = creation_rate()
+    lead = max(min_lead, 3.0 + 1.5 * count / rate)
+    due = (dt.datetime.now(dt.UTC) + dt.timedelta(seconds=lead)).replace(microsecond=0)
+    due += dt.timedelta(seconds=1)
+    create_once_jobs(prefix, count, due)
+    late = (dt.datetime.now(dt.UTC) - due).total_seconds()
+    if late > -0.5:
+        print(f"  warning: creating {count} jobs ended {late:+.1f}s after their due instant")
+    return due
+
+
+def warm_up(stack: Stack, *, count: int, timeout: float = 180) -> None:
+    """Runs `count` jobs due now and waits until they succeed: every process has booted,
+    connected and consumed before a measurement starts."""
+    from jobs.models import Run, RunState
+
+    create_once_jobs("warmup", count, dt.datetime.now(dt.UTC))
+    deadline = time.monotonic() + timeout
+    while (
+        Run.objects.filter(job__name__startswith="warmup ", state=RunState.SUCCEEDED).count()
+        < count
+    ):
+        stack.check_alive()
+        if time.monotonic() > deadline:
+            raise SystemExit(f"warm-up runs did not succeed in {timeout}s: see {stack.workdir}")
+        time.sleep(0.2)
+
+
+def reset_database() -> None:
+    """Empty every table of the product (users stay): between measurements of one run."""
+    from django.apps import apps
+    from django.db import connection
+
+    tables = [
+        model._meta.db_table
+        for label in ("jobs", "dispatch", "logs_app")
+        for model in apps.get_app_config(label).get_models()
+    ]
+    with connection.cursor() as cursor:
+        cursor.execute(f"TRUNCATE {', '.join(tables)} CASCADE")
+
+
+def purge_queue(broker_url: str, queue: str = "jobs") -> None:
+    from kombu import Connection
+
+    with Connection(broker_url) as conn:
+        try:
+            conn.default_channel.queue_purge(queue)
+        except Exception:  # noqa: BLE001 - the queue may not exist yet
+            pass
+
+
+def queue_depth(broker_url: str, queue: str = "jobs") -> int | None:
+    from kombu import Connection
+
+    with Connection(broker_url) as conn:
+        try:
+            return conn.default_channel.queue_declare(queue=queue, passive=True).message_count
+        except Exception:  # noqa: BLE001
+            return None
