@@ -19,7 +19,7 @@ from django.db.models import Min
 
 from jobs.models import Job, JobState, Run, RunState
 
-from .completer import CompleterConfig, completer_run_once
+from .completer import CompleterConfig, CompleterResult, completer_run_once
 from .config import config_require
 from .materializer import MaterializerConfig, materializer_run_once
 from .promoter import PromoterConfig, promoter_run_once
@@ -50,7 +50,15 @@ def scheduler_run_once(*, now: dt.datetime, config: SchedulerConfig) -> Schedule
         now=now, config=MaterializerConfig(batch_size=config.batch_size)
     )
     promoted = promoter_run_once(now=now, config=PromoterConfig(batch_size=config.batch_size))
-    completed = completer_run_once(now=now, config=CompleterConfig(batch_size=config.batch_size))
+    # Completion can wait for a backlog of due work: its query looks at every job whose
+    # schedule is over, which a burst of one-time jobs makes thousands while their runs are
+    # active, and no run starts sooner for it.
+    backlog = materialized.batch_full or promoted.batch_full
+    completed = (
+        CompleterResult()
+        if backlog
+        else completer_run_once(now=now, config=CompleterConfig(batch_size=config.batch_size))
+    )
     return SchedulerResult(
         runs_created=materialized.runs_created,
         retries_queued=promoted.retries_queued,

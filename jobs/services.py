@@ -7,7 +7,8 @@ import datetime as dt
 
 from django.contrib.auth.models import AbstractBaseUser
 from django.db import transaction
-from django.db.models import Max, Q
+from django.db.models import F, Max, Q, Window
+from django.db.models.functions import RowNumber
 
 from . import keys
 from .audit import audit_record
@@ -366,17 +367,49 @@ def job_backfill(
 
 def job_pause_if_failing(*, job: Job, now: dt.datetime) -> bool:
     """Pause an active job whose last `pause_after_failures` finished runs (since its last
-    resume) all failed. Called by the scheduler before it materializes the job's next
-    occurrence, and meant to be called where a run becomes failed. Whether it paused."""
-    limit = job.spec.get("pause_after_failures")
-    if not limit or job.state != JobState.ACTIVE:
-        return False
-    finished = Run.objects.filter(
-        job=job, state__in=[RunState.SUCCEEDED, RunState.FAILED], finished_at__isnull=False
+    resume) all failed; called where a run becomes failed. Whether it paused."""
+    return bool(jobs_pause_if_failing(jobs=[job], now=now))
+
+
+def jobs_pause_if_failing(*, jobs: list[Job], now: dt.datetime) -> set:
+    """`job_pause_if_failing` for many jobs, with one query for the whole batch (none when
+    no job has the policy); the scheduler calls it before it materializes their next
+    occurrences. The ids of the jobs it paused."""
+    limits = {
+        job.id: job.spec["pause_after_failures"]
+        for job in jobs
+        if job.spec.get("pause_after_failures") and job.state == JobState.ACTIVE
+    }
+    if not limits:
+        return set()
+    last_first = Window(
+        RowNumber(),
+        partition_by=[F("job_id")],
+        order_by=[F("finished_at").desc(), F("id").desc()],
     )
-    if job.resumed_at:
-        finished = finished.filter(finished_at__gt=job.resumed_at)
-    last = list(finished.order_by("-finished_at", "-id").values_list("state", flat=True)[:limit])
-    if len(last) < limit or any(state != RunState.FAILED for state in last):
-        return False
-    return job_pause(job=job, actor=None, now=now, reason=f"{limit} consecutive failed runs")
+    finished = (
+        Run.objects.filter(
+            job_id__in=list(limits),
+            state__in=[RunState.SUCCEEDED, RunState.FAILED],
+            finished_at__isnull=False,
+        )
+        .filter(Q(job__resumed_at=None) | Q(finished_at__gt=F("job__resumed_at")))
+        .annotate(last=last_first)
+        .filter(last__lte=max(limits.values()))
+        .values_list("job_id", "state", "last")
+    )
+    failed, other = dict.fromkeys(limits, 0), set()
+    for job_id, state, last in finished:
+        if last <= limits[job_id]:
+            if state == RunState.FAILED:
+                failed[job_id] += 1
+            else:
+                other.add(job_id)
+    paused = set()
+    for job in jobs:
+        limit = limits.get(job.id)
+        if limit and failed[job.id] == limit and job.id not in other:
+            reason = f"{limit} consecutive failed runs"
+            if job_pause(job=job, actor=None, now=now, reason=reason):
+                paused.add(job.id)
+    return paused
