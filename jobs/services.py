@@ -14,6 +14,7 @@ from . import keys
 from .audit import audit_record
 from .counters import counter_increment
 from .models import AttemptState, Job, JobState, JobVersion, Run, RunKind, RunState
+from .notify import CHANNEL_SCHEDULE, notify
 from .outbox import outbox_discard_pending, outbox_enqueue_runs
 from .retry import retry_decision
 from .schedules import job_first_fire, job_next_fire, job_resume_point
@@ -54,6 +55,8 @@ def job_create(*, owner: AbstractBaseUser, spec: dict, now: dt.datetime) -> Job:
         audit_record(
             action="job.created", actor=owner, job_id=job.id, data={"version": job.version}
         )
+        if first is not None:
+            notify(CHANNEL_SCHEDULE)  # the schedulers may sleep past its first fire
     return job
 
 
@@ -199,6 +202,8 @@ def job_update(
         JobVersion.objects.create(
             job=job, version=expected_version + 1, spec=spec, created_by=actor
         )
+        if fields.get("next_run_at") is not None:
+            notify(CHANNEL_SCHEDULE)  # its next fire may now be earlier
         audit_record(action="job.updated", actor=actor, job_id=job.id,
                      data={"version": expected_version + 1,
                            "changed": [c["field"] for c in changed]})  # fmt: skip
@@ -260,6 +265,7 @@ def job_resume(*, job: Job, actor: AbstractBaseUser, now: dt.datetime) -> bool:
                 return job_resume(job=fresh, actor=actor, now=now)
             return False
         audit_record(action="job.resumed", actor=actor, job_id=job.id)
+        notify(CHANNEL_SCHEDULE)  # due again: perhaps at once (missed occurrences)
     return True
 
 
