@@ -127,15 +127,23 @@ class SchedulerWake:
         self._pass_started_at = now
         return scheduler_run_once(now=now, config=config)
 
+    def _next_wake(self, pass_started_at: dt.datetime | None = None) -> tuple[float, float]:
+        """(seconds until the next due instant, the time.monotonic() they count from): read
+        with the database's clock, before the queries that find the instant."""
+        now = db_now()
+        counted_from = time.monotonic()
+        seconds = scheduler_sleep_seconds(
+            now=now, config=self.config, pass_started_at=pass_started_at
+        )
+        return seconds, counted_from
+
     def sleep_seconds(self, _result: SchedulerResult | None = None) -> float:
         """The step's sleep after a pass (run_once_step's `sleep`)."""
-        seconds = scheduler_sleep_seconds(
-            now=db_now(), config=self.config, pass_started_at=self._pass_started_at
-        )
+        seconds, counted_from = self._next_wake(self._pass_started_at)
         # A sleep of the whole poll interval takes the loop's jitter; one until a due
         # instant does not (run_loop waits only for a sleep above 0).
         due_soon = 0 < seconds < self.config.poll_interval
-        self._until = time.monotonic() + seconds if due_soon else None
+        self._until = counted_from + seconds if due_soon else None
         return seconds
 
     def wait(self, seconds: float) -> None:
@@ -147,7 +155,7 @@ class SchedulerWake:
             if not self.listener.wait(remaining) or self.listener.stop.is_set():
                 return
             try:
-                seconds = scheduler_sleep_seconds(now=db_now(), config=self.config)
+                seconds, counted_from = self._next_wake()
             except DatabaseError:
                 return  # the next pass meets the outage and backs off
-            until = min(until, time.monotonic() + seconds)
+            until = min(until, counted_from + seconds)
