@@ -168,8 +168,9 @@ def _existing_occurrences(plans: dict) -> set[tuple]:
 
 
 def _runs_insert(runs: list[Run]) -> None:
-    """The new runs, in one INSERT (PostgreSQL: rows from unnest of one array per column,
-    so the statement's size does not grow with the batch; elsewhere Django's bulk_create)."""
+    """The new runs, in one INSERT. On PostgreSQL its rows are unnested from one array
+    per column: a fraction of the per-value work of Django's bulk_create, which also
+    splits a batch into statements of at most 65,535 parameters; elsewhere bulk_create."""
     if not runs:
         return
     if connection.vendor != "postgresql":

@@ -87,7 +87,8 @@ def jobs_advance(*, jobs: list[Job]) -> None:
         return
     with connection.cursor() as cursor:
         cursor.execute(
-            f"UPDATE {Job._meta.db_table} AS job SET next_run_at = advanced.next_run_at "
+            f"UPDATE {connection.ops.quote_name(Job._meta.db_table)} AS job "
+            "SET next_run_at = advanced.next_run_at "
             "FROM unnest(%s::uuid[], %s::timestamptz[]) AS advanced (id, next_run_at) "
             "WHERE job.id = advanced.id",
             [[job.id for job in jobs], [job.next_run_at for job in jobs]],
