@@ -7,7 +7,7 @@ import threading
 import time
 
 import pytest
-from django.db import connections
+from django.db import connections, transaction
 
 from dispatch.loop import StopSignal
 from dispatch.scheduler import (
@@ -21,7 +21,7 @@ from dispatch.wakeup import Listener
 from jobs.clock import db_now
 from jobs.models import AuditEvent, Job, Run
 from jobs.notify import CHANNEL_SCHEDULE
-from jobs.services import job_create
+from jobs.services import job_create, job_pause, job_resume, job_update
 from tests.factories import job_spec
 
 NOW = dt.datetime(2030, 1, 1, 9, 0, tzinfo=dt.UTC)
@@ -135,3 +135,57 @@ def test_a_job_created_due_later_than_the_next_wake_does_not_end_the_sleep_early
         assert db_now() >= now + dt.timedelta(seconds=1.0)  # slept on to the first job
     finally:
         wake.listener.close()
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("change", ["create", "resume", "reschedule", "rename"])
+def test_the_changes_that_can_bring_a_fire_earlier_wake_the_schedulers(user, change):
+    now = db_now()
+    hourly = {"kind": "cron", "expression": "0 * * * *", "timezone": "UTC"}
+    job = job_create(owner=user, spec=job_spec(schedule=hourly), now=now)
+    if change == "resume":
+        job_pause(job=job, actor=user, now=now)
+    listener = Listener((CHANNEL_SCHEDULE,), StopSignal())
+    try:
+        listener.wait(0.01)  # LISTENing from here on
+        if change == "create":
+            create_once(user, run_at=now + dt.timedelta(seconds=5), now=now)
+        elif change == "resume":
+            assert job_resume(job=Job.objects.get(id=job.id), actor=user, now=now)
+        else:
+            spec = job.spec | (
+                {"schedule": hourly | {"expression": "*/5 * * * *"}}
+                if change == "reschedule"
+                else {"name": "renamed"}
+            )
+            assert job_update(job=job, spec=spec, expected_version=1, actor=user, now=now)
+        # A rename moves no fire: no wake-up for it.
+        assert listener.wait(1.0 if change == "rename" else 10.0) is (change != "rename")
+    finally:
+        listener.close()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_two_replicas_claim_disjoint_due_jobs(make_job):
+    """A pass that finds due jobs locked by another replica's pass skips them (SKIP
+    LOCKED in the claim's inner query) instead of waiting for them."""
+    from dispatch.materializer import MaterializerConfig, _claim_due_jobs, materializer_run_once
+
+    for index in range(5):
+        make_job(now=NOW, name=f"due {index}", schedule={"kind": "once", "run_at": NOW.isoformat()})
+    other = {}
+
+    def second_replica() -> None:
+        try:
+            other["result"] = materializer_run_once(now=NOW, config=MaterializerConfig())
+        finally:
+            connections.close_all()
+
+    with transaction.atomic():
+        held = {version.job_id for version in _claim_due_jobs(now=NOW, limit=3)}
+        thread = threading.Thread(target=second_replica)
+        thread.start()
+        thread.join(20)
+        assert not thread.is_alive(), "the second replica waited on the first one's locks"
+    assert other["result"].runs_created == 2
+    assert not Run.objects.filter(job_id__in=held).exists()
