@@ -6,23 +6,32 @@
 3. the completer (dispatch.completer): jobs whose schedule is over -> completed.
 
 Each step is a bounded batch in its own transaction(s). `manage.py scheduler` loops this
-pass, sleeping until the next due instant (`scheduler_sleep_seconds`); beside it, in loops
-of their own, run the reaper, the reconciler and the pruner (idempotency keys, run logs).
+pass, sleeping until the next due instant (`scheduler_sleep_seconds`, `SchedulerWake`: to
+the millisecond, and woken by a NOTIFY when a job's next fire becomes earlier); beside it,
+in loops of their own, run the reaper, the reconciler and the pruner (idempotency keys, run
+logs).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import datetime as dt
+import time
 
+from django.db import DatabaseError
 from django.db.models import Min
 
+from jobs.clock import db_now
 from jobs.models import Job, JobState, Run, RunState
 
-from .completer import CompleterConfig, completer_run_once
+from .completer import CompleterConfig, CompleterResult, completer_run_once
 from .config import config_require
 from .materializer import MaterializerConfig, materializer_run_once
 from .promoter import PromoterConfig, promoter_run_once
+from .wakeup import Listener
+
+# How long a pass that left due work to another replica waits before it looks again.
+HELD_ELSEWHERE_SECONDS = 0.02
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,7 +59,15 @@ def scheduler_run_once(*, now: dt.datetime, config: SchedulerConfig) -> Schedule
         now=now, config=MaterializerConfig(batch_size=config.batch_size)
     )
     promoted = promoter_run_once(now=now, config=PromoterConfig(batch_size=config.batch_size))
-    completed = completer_run_once(now=now, config=CompleterConfig(batch_size=config.batch_size))
+    # Completion can wait for a backlog of due work: its query looks at every job whose
+    # schedule is over, which a burst of one-time jobs makes thousands while their runs are
+    # active, and no run starts sooner for it.
+    backlog = materialized.batch_full or promoted.batch_full
+    completed = (
+        CompleterResult()
+        if backlog
+        else completer_run_once(now=now, config=CompleterConfig(batch_size=config.batch_size))
+    )
     return SchedulerResult(
         runs_created=materialized.runs_created,
         retries_queued=promoted.retries_queued,
@@ -77,9 +94,68 @@ def scheduler_next_due(*, now: dt.datetime) -> dt.datetime | None:
     return min(candidates) if candidates else None
 
 
-def scheduler_sleep_seconds(*, now: dt.datetime, config: SchedulerConfig) -> float:
-    """Sleep until the next due instant, never longer than the poll interval."""
+def scheduler_sleep_seconds(
+    *, now: dt.datetime, config: SchedulerConfig, pass_started_at: dt.datetime | None = None
+) -> float:
+    """Sleep until the next due instant, never longer than the poll interval.
+
+    Work already due when the pass began (`pass_started_at`) that the pass left is held by
+    another replica (SKIP LOCKED): wait HELD_ELSEWHERE_SECONDS for it rather than spin."""
     next_due = scheduler_next_due(now=now)
     if next_due is None:
         return config.poll_interval
-    return min(config.poll_interval, max(0.0, (next_due - now).total_seconds()))
+    seconds = (next_due - now).total_seconds()
+    if pass_started_at is not None and next_due <= pass_started_at:
+        seconds = max(seconds, HELD_ELSEWHERE_SECONDS)
+    return min(config.poll_interval, max(0.0, seconds))
+
+
+class SchedulerWake:
+    """How `manage.py scheduler` sleeps between passes: until the next due instant exactly
+    (the loop's jitter spreads only a sleep of the whole poll interval, so it never delays
+    an occurrence), ending early on a NOTIFY on CHANNEL_SCHEDULE (a job created, resumed or
+    rescheduled). A notification makes it look again at when work is next due (three index
+    lookups) and sleep on until then, so a job created due later costs no pass."""
+
+    def __init__(self, config: SchedulerConfig, listener: Listener) -> None:
+        self.config = config
+        self.listener = listener
+        self._pass_started_at: dt.datetime | None = None
+        self._until: float | None = None  # time.monotonic() of the next due instant
+
+    def run_once(self, *, now: dt.datetime, config: SchedulerConfig) -> SchedulerResult:
+        self._pass_started_at = now
+        return scheduler_run_once(now=now, config=config)
+
+    def _next_wake(self, pass_started_at: dt.datetime | None = None) -> tuple[float, float]:
+        """(seconds until the next due instant, the time.monotonic() they count from): read
+        with the database's clock, before the queries that find the instant."""
+        now = db_now()
+        counted_from = time.monotonic()
+        seconds = scheduler_sleep_seconds(
+            now=now, config=self.config, pass_started_at=pass_started_at
+        )
+        return seconds, counted_from
+
+    def sleep_seconds(self, _result: SchedulerResult | None = None) -> float:
+        """The step's sleep after a pass (run_once_step's `sleep`)."""
+        seconds, counted_from = self._next_wake(self._pass_started_at)
+        # A sleep of the whole poll interval takes the loop's jitter; one until a due
+        # instant does not (run_loop waits only for a sleep above 0).
+        due_soon = 0 < seconds < self.config.poll_interval
+        self._until = counted_from + seconds if due_soon else None
+        return seconds
+
+    def wait(self, seconds: float) -> None:
+        """run_loop's wait: `seconds` is the step's sleep with the loop's jitter, or its
+        back-off after a failed step."""
+        until = self._until if self._until is not None else time.monotonic() + seconds
+        self._until = None
+        while (remaining := until - time.monotonic()) > 0:
+            if not self.listener.wait(remaining) or self.listener.stop.is_set():
+                return
+            try:
+                seconds, counted_from = self._next_wake()
+            except DatabaseError:
+                return  # the next pass meets the outage and backs off
+            until = min(until, counted_from + seconds)

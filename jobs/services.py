@@ -7,12 +7,14 @@ import datetime as dt
 
 from django.contrib.auth.models import AbstractBaseUser
 from django.db import transaction
-from django.db.models import Max, Q
+from django.db.models import F, Max, Q, Window
+from django.db.models.functions import RowNumber
 
 from . import keys
 from .audit import audit_record
 from .counters import counter_increment
 from .models import AttemptState, Job, JobState, JobVersion, Run, RunKind, RunState
+from .notify import CHANNEL_SCHEDULE, notify
 from .outbox import outbox_discard_pending, outbox_enqueue_runs
 from .retry import retry_decision
 from .schedules import job_first_fire, job_next_fire, job_resume_point
@@ -53,6 +55,8 @@ def job_create(*, owner: AbstractBaseUser, spec: dict, now: dt.datetime) -> Job:
         audit_record(
             action="job.created", actor=owner, job_id=job.id, data={"version": job.version}
         )
+        if first is not None:
+            notify(CHANNEL_SCHEDULE)  # the schedulers may sleep past its first fire
     return job
 
 
@@ -199,6 +203,8 @@ def job_update(
         JobVersion.objects.create(
             job=job, version=expected_version + 1, spec=spec, created_by=actor
         )
+        if fields.get("next_run_at") is not None:
+            notify(CHANNEL_SCHEDULE)  # its next fire may now be earlier
         audit_record(action="job.updated", actor=actor, job_id=job.id,
                      data={"version": expected_version + 1,
                            "changed": [c["field"] for c in changed]})  # fmt: skip
@@ -260,6 +266,7 @@ def job_resume(*, job: Job, actor: AbstractBaseUser, now: dt.datetime) -> bool:
                 return job_resume(job=fresh, actor=actor, now=now)
             return False
         audit_record(action="job.resumed", actor=actor, job_id=job.id)
+        notify(CHANNEL_SCHEDULE)  # due again: perhaps at once (missed occurrences)
     return True
 
 
@@ -367,17 +374,49 @@ def job_backfill(
 
 def job_pause_if_failing(*, job: Job, now: dt.datetime) -> bool:
     """Pause an active job whose last `pause_after_failures` finished runs (since its last
-    resume) all failed. Called by the scheduler before it materializes the job's next
-    occurrence, and meant to be called where a run becomes failed. Whether it paused."""
-    limit = job.spec.get("pause_after_failures")
-    if not limit or job.state != JobState.ACTIVE:
-        return False
-    finished = Run.objects.filter(
-        job=job, state__in=[RunState.SUCCEEDED, RunState.FAILED], finished_at__isnull=False
+    resume) all failed; called where a run becomes failed. Whether it paused."""
+    return bool(jobs_pause_if_failing(jobs=[job], now=now))
+
+
+def jobs_pause_if_failing(*, jobs: list[Job], now: dt.datetime) -> set:
+    """`job_pause_if_failing` for many jobs, with one query for the whole batch (none when
+    no job has the policy); the scheduler calls it before it materializes their next
+    occurrences. The ids of the jobs it paused."""
+    limits = {
+        job.id: job.spec["pause_after_failures"]
+        for job in jobs
+        if job.spec.get("pause_after_failures") and job.state == JobState.ACTIVE
+    }
+    if not limits:
+        return set()
+    last_first = Window(
+        RowNumber(),
+        partition_by=[F("job_id")],
+        order_by=[F("finished_at").desc(), F("id").desc()],
     )
-    if job.resumed_at:
-        finished = finished.filter(finished_at__gt=job.resumed_at)
-    last = list(finished.order_by("-finished_at", "-id").values_list("state", flat=True)[:limit])
-    if len(last) < limit or any(state != RunState.FAILED for state in last):
-        return False
-    return job_pause(job=job, actor=None, now=now, reason=f"{limit} consecutive failed runs")
+    finished = (
+        Run.objects.filter(
+            job_id__in=list(limits),
+            state__in=[RunState.SUCCEEDED, RunState.FAILED],
+            finished_at__isnull=False,
+        )
+        .filter(Q(job__resumed_at=None) | Q(finished_at__gt=F("job__resumed_at")))
+        .annotate(last=last_first)
+        .filter(last__lte=max(limits.values()))
+        .values_list("job_id", "state", "last")
+    )
+    failed, other = dict.fromkeys(limits, 0), set()
+    for job_id, state, last in finished:
+        if last <= limits[job_id]:
+            if state == RunState.FAILED:
+                failed[job_id] += 1
+            else:
+                other.add(job_id)
+    paused = set()
+    for job in jobs:
+        limit = limits.get(job.id)
+        if limit and failed[job.id] == limit and job.id not in other:
+            reason = f"{limit} consecutive failed runs"
+            if job_pause(job=job, actor=None, now=now, reason=reason):
+                paused.add(job.id)
+    return paused

@@ -88,9 +88,22 @@ def job_replace_spec(*, job_id, expected_version: int, fields: dict) -> bool:
 
 
 def jobs_advance(*, jobs: list[Job]) -> None:
-    """Store the advanced next_run_at of jobs whose due occurrences were just materialized;
-    the caller holds their row locks (FOR UPDATE), so no other writer can interleave."""
-    Job.objects.bulk_update(jobs, ["next_run_at"])
+    """Store the advanced next_run_at of jobs whose due occurrences were just materialized,
+    in one UPDATE (PostgreSQL: joined to the new values unnested from two arrays); the
+    caller holds their row locks (FOR UPDATE), so no other writer can interleave."""
+    if not jobs:
+        return
+    if connection.vendor != "postgresql":
+        Job.objects.bulk_update(jobs, ["next_run_at"])
+        return
+    with connection.cursor() as cursor:
+        cursor.execute(
+            f"UPDATE {connection.ops.quote_name(Job._meta.db_table)} AS job "
+            "SET next_run_at = advanced.next_run_at "
+            "FROM unnest(%s::uuid[], %s::timestamptz[]) AS advanced (id, next_run_at) "
+            "WHERE job.id = advanced.id",
+            [[job.id for job in jobs], [job.next_run_at for job in jobs]],
+        )
 
 
 def job_mark_deleted(*, job_id, now: dt.datetime) -> bool:

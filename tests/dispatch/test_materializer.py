@@ -416,6 +416,47 @@ def test_a_success_between_failures_resets_the_count(make_job):
     assert reload(job).state == JobState.ACTIVE
 
 
+def test_pause_after_failures_is_judged_per_job_in_one_batch(make_job, user):
+    """One pass over jobs of several limits and histories: each is judged on its own last
+    runs (since its own resume), with one query for the whole batch."""
+    every_minute = {"kind": "interval", "every_seconds": 60}
+    jobs = {
+        name: make_job(now=T0, name=name, schedule=every_minute, pause_after_failures=limit)
+        for name, limit in [("two failed", 2), ("one of two failed", 2), ("one failed", 1),
+                            ("three failed, limit 3", 3), ("resumed", 2), ("no policy", None)]
+    }  # fmt: skip
+    outcomes = {
+        "two failed": ["failed", "failed"],
+        "one of two failed": ["succeeded", "failed"],
+        "one failed": ["succeeded", "failed"],
+        "three failed, limit 3": ["failed", "failed"],
+        "resumed": ["failed", "failed"],
+        "no policy": ["failed", "failed"],
+    }
+    for minute in range(2):
+        run_once(at(minutes=minute))
+        for name, job in jobs.items():
+            run = Run.objects.get(job=job, scheduled_for=at(minutes=minute))
+            attempt = claim(run, at(minutes=minute, seconds=1))
+            if outcomes[name][minute] == "failed":
+                assert attempt_fail(attempt=attempt, now=at(minutes=minute, seconds=2),
+                                    error="boom", retry_at=None)  # fmt: skip
+            else:
+                assert attempt_succeed(attempt=attempt, now=at(minutes=minute, seconds=2))
+    resumed = jobs["resumed"]
+    assert job_pause(job=resumed, actor=user, now=at(minutes=1, seconds=10))
+    assert job_resume(job=reload(resumed), actor=user, now=at(minutes=1, seconds=20))
+
+    result = run_once(at(minutes=2))
+
+    paused = {name for name, job in jobs.items() if reload(job).state == JobState.PAUSED}
+    assert paused == {"two failed", "one failed"}
+    assert result.jobs_paused == 2
+    for name, job in jobs.items():
+        has_run = Run.objects.filter(job=job, scheduled_for=at(minutes=2)).exists()
+        assert has_run == (name not in paused)
+
+
 # --- the end of a schedule ----------------------------------------------------------------
 
 

@@ -14,8 +14,9 @@ from dispatch.loop import StopSignal, run_loop, run_once_step
 from dispatch.pruner import PrunerConfig, pruner_run_once
 from dispatch.reaper import OutageGrace, ReaperConfig, reaper_run_once
 from dispatch.reconciler import BrokerQueueDepth, ReconcileConfig, reconcile_run_once
-from dispatch.scheduler import SchedulerConfig, scheduler_run_once, scheduler_sleep_seconds
-from jobs.clock import db_now
+from dispatch.scheduler import SchedulerConfig, SchedulerWake
+from dispatch.wakeup import Listener
+from jobs.notify import CHANNEL_SCHEDULE
 
 
 class Command(BaseCommand):
@@ -71,16 +72,16 @@ class Command(BaseCommand):
         scheduler = SchedulerConfig(
             batch_size=options["batch_size"], poll_interval=options["poll_interval"]
         )
+        listener = Listener((CHANNEL_SCHEDULE,), stop)
+        wake = SchedulerWake(scheduler, listener)
         loops = [
             self.loop(
                 "scheduler",
-                run_once_step(
-                    scheduler_run_once,
-                    scheduler,
-                    sleep=lambda _: scheduler_sleep_seconds(now=db_now(), config=scheduler),
-                ),
+                run_once_step(wake.run_once, scheduler, sleep=wake.sleep_seconds),
                 stop,
                 max_steps=options["max_steps"],
+                wait=wake.wait,
+                close=listener.close,
             )
         ]
         if not options["without_reaper"]:
@@ -122,11 +123,13 @@ class Command(BaseCommand):
         *,
         max_steps: int | None = None,
         on_error: Callable[[BaseException], None] | None = None,
+        wait: Callable[[float], object] | None = None,
         close: Callable[[], None] | None = None,
     ) -> threading.Thread:
         def target() -> None:
             try:
-                run_loop(step, name=name, stop=stop, max_steps=max_steps, on_error=on_error)
+                run_loop(step, name=name, stop=stop, max_steps=max_steps, on_error=on_error,
+                         wait=wait)  # fmt: skip
             finally:
                 if close is not None:
                     close()
