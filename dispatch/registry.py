@@ -20,7 +20,8 @@ def job_task(name: str, **celery_options):
         task_register(name=name, handler=handler)
 
         @app.task(name=name, bind=True, **celery_options)
-        def deliver(self, run_id: str):
+        def deliver(self, run_id: str, published_at: str | None = None):
+            # `published_at` is sent by the relay (dispatch.relay) for the claim to record.
             # Imported at delivery, not at import: task modules (and this one, through
             # `dispatch`) load while Django's apps are still loading, before the models.
             from .runtime import run_execute_delivery

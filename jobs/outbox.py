@@ -1,14 +1,21 @@
-"""Writing outbox rows, always inside the transaction of the state change that needs them."""
+"""Writing outbox rows, always inside the transaction of the state change that needs them.
+
+A row exists only while its message waits to be published: the relay deletes it in the
+transaction that saw the broker confirm it (`outbox_delete_published`).
+"""
 
 import datetime as dt
 
+from django.db import connection
 from django.db.models import F
 
 from .models import OutboxMessage, OutboxState, Run
+from .notify import CHANNEL_OUTBOX, notify
 
 
 def outbox_enqueue_runs(*, runs: list[Run], now: dt.datetime) -> list[OutboxMessage]:
-    """One task message per run; `run.job_version` must be loaded."""
+    """One task message per run; `run.job_version` must be loaded. The relays are woken
+    when the transaction commits."""
     messages = [
         OutboxMessage(
             run_id=run.id,
@@ -20,7 +27,11 @@ def outbox_enqueue_runs(*, runs: list[Run], now: dt.datetime) -> list[OutboxMess
         )
         for run in runs
     ]
-    return OutboxMessage.objects.bulk_create(messages)
+    if not messages:
+        return []
+    created = OutboxMessage.objects.bulk_create(messages)
+    notify(CHANNEL_OUTBOX)
+    return created
 
 
 def outbox_discard_pending(*, run_id) -> int:
@@ -32,11 +43,15 @@ def outbox_discard_pending(*, run_id) -> int:
     return OutboxMessage.objects.filter(id__in=[m.id for m in unsent]).delete()[0]
 
 
-def outbox_mark_published(*, message_ids: list, now: dt.datetime) -> int:
-    """The broker confirmed these rows: they are done."""
-    return OutboxMessage.objects.filter(id__in=message_ids, state=OutboxState.PENDING).update(
-        state=OutboxState.PUBLISHED, published_at=now
-    )
+def outbox_delete_published(*, message_ids: list) -> int:
+    """The broker confirmed these rows (the caller holds their locks): they are done."""
+    if connection.vendor != "postgresql":
+        return OutboxMessage.objects.filter(id__in=message_ids).delete()[0]
+    with connection.cursor() as cursor:
+        cursor.execute(
+            f"DELETE FROM {OutboxMessage._meta.db_table} WHERE id = ANY(%s)", [message_ids]
+        )
+        return cursor.rowcount
 
 
 def outbox_record_failure(*, message_ids: list, error: BaseException) -> int:
