@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/profile_relay.py --rows 10000 [--batch-size 1000] [--relays 2]
     .venv/bin/python bench/profile_relay.py --rows 10000 --profile 25   # + cProfile's top 25
+    .venv/bin/python bench/profile_relay.py --latency 200   # one row at a time, idle relay
 
 Creates a fresh PostgreSQL database and RabbitMQ vhost (dropped afterwards), writes N queued
 runs with their outbox rows (through jobs.outbox, as the scheduler does), then runs the
@@ -9,8 +10,11 @@ relay step in a loop until the outbox is empty, against the real broker with pub
 confirms, and prints rows/s. `--relays 2` runs two relay processes over the same rows
 (SKIP LOCKED splits them). `--profile` repeats the single-relay drain on a second population
 under cProfile and prints the functions that took the most time (cProfile slows Python
-code down, so the rate printed without it is the figure to quote). The machine is shared:
-repeat a measurement (`--repeat`) and quote the median.
+code down, so the rate printed without it is the figure to quote). `--latency N` starts a
+real relay process (`manage.py relay`, idle, waiting on LISTEN with its 1 s poll as the
+safety net), commits one outbox row at a time and times commit -> the message received by a
+consumer of the queue. The machine is shared: repeat a measurement (`--repeat`) and quote
+the median.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import bench_environment  # noqa: E402
+from common import ROOT, bench_environment  # noqa: E402
 
 
 def fill_outbox(rows: int) -> None:
@@ -147,6 +151,37 @@ def purge() -> None:
         broker.channel().queue_purge("jobs")
 
 
+def latency(trials: int, env: dict) -> list[float]:
+    """Seconds from the commit of one outbox row to its message reaching a consumer."""
+    import subprocess
+
+    from celery import current_app
+    from django.conf import settings
+    from kombu import Connection
+
+    relay = subprocess.Popen(
+        [sys.executable, str(ROOT / "manage.py"), "relay"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
+    seconds = []
+    try:
+        assert relay.stdout.readline().strip() == b"relay started"
+        with Connection(settings.CELERY_BROKER_URL) as broker:
+            queue = broker.SimpleQueue(current_app.amqp.queues["jobs"], no_ack=True)
+            for _ in range(trials):
+                time.sleep(0.05)  # the relay is idle again, waiting on LISTEN
+                fill_outbox(1)  # one run and its outbox row; the relays notified at commit
+                committed = time.perf_counter()
+                queue.get(timeout=10)
+                seconds.append(time.perf_counter() - committed)
+    finally:
+        relay.terminate()
+        relay.wait(30)
+    return seconds
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rows", type=int, default=10_000)
@@ -154,10 +189,21 @@ def main() -> None:
     parser.add_argument("--relays", type=int, default=1)
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--profile", type=int, default=0, help="print the top N functions")
+    parser.add_argument("--latency", type=int, default=0, help="time N single rows instead")
     args = parser.parse_args()
 
-    with bench_environment("bench_relay", task_modules="tests.sample_tasks"):
+    with bench_environment("bench_relay", task_modules="tests.sample_tasks") as (env, _):
         from dispatch.relay import RelayConfig
+
+        if args.latency:
+            values = sorted(latency(args.latency, env))
+            p = lambda q: values[min(len(values) - 1, int(q * len(values)))]  # noqa: E731
+            print(
+                f"relay latency, commit -> consumed, {args.latency} single rows: "
+                f"p50 {p(0.5) * 1000:.1f} ms, p99 {p(0.99) * 1000:.1f} ms, "
+                f"max {values[-1] * 1000:.1f} ms"
+            )
+            return
 
         batch_size = args.batch_size or RelayConfig.batch_size
         seconds = [timed_drain(args.rows, batch_size, args.relays) for _ in range(args.repeat)]

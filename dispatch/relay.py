@@ -13,9 +13,9 @@ time: Celery's `as_task_v2` and kombu's encoding make one template per (task, qu
 priority, time limit), with placeholders of fixed length where the task id, the run id and
 the publication time go; each message is the template with those three substituted. On
 AMQP the template is the message's encoded frames and a batch is written to the socket in
-a few writes (`tests/dispatch/test_relay.py` checks that the result is byte for byte what
-kombu's Producer would send); other transports (the embedded filesystem broker) publish
-through kombu's Producer.
+a few writes (`tests/dispatch/test_relay.py` checks that a consumer receives the same
+headers, properties and body as from kombu's Producer); other transports (the embedded
+filesystem broker) publish through kombu's Producer.
 """
 
 from __future__ import annotations
