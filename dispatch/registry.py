@@ -21,7 +21,7 @@ def job_task(name: str, **celery_options):
 
         @app.task(name=name, bind=True, **celery_options)
         def deliver(self, run_id: str, published_at: str | None = None):
-            # `published_at` is sent by the relay (dispatch.relay) for the claim to record.
+            # `published_at`: sent by the relay (dispatch.relay), recorded by the claim.
             # Imported at delivery, not at import: task modules (and this one, through
             # `dispatch`) load while Django's apps are still loading, before the models.
             from .runtime import run_execute_delivery
@@ -31,6 +31,7 @@ def job_task(name: str, **celery_options):
                 handler=handler,
                 worker=f"{self.request.hostname or 'worker'}:{os.getpid()}",
                 message_id=self.request.id or "",
+                published_at=published_at,
             )
 
         return deliver

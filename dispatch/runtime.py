@@ -209,7 +209,16 @@ def _with_database_retries(write: Callable[[], T]) -> T:
             delay = min(delay * 2, 5.0)
 
 
-def _claim(*, run_id: str, worker: str) -> tuple[Run | None, Attempt | None]:
+def _parse_instant(text: str | None) -> dt.datetime | None:
+    try:
+        return dt.datetime.fromisoformat(text) if text else None
+    except ValueError:  # a malformed stamp costs only the stage timestamp
+        return None
+
+
+def _claim(
+    *, run_id: str, worker: str, published_at: dt.datetime | None = None
+) -> tuple[Run | None, Attempt | None]:
     """Claim the delivered run, retrying through a database outage for a bounded time.
 
     The message was acknowledged when the pool accepted it (docs/semantics.md), so giving
@@ -238,6 +247,7 @@ def _claim(*, run_id: str, worker: str) -> tuple[Run | None, Attempt | None]:
             lease_seconds=spec["heartbeat_timeout_seconds"],
             timeout_seconds=spec.get("timeout_seconds"),
             claim_id=claim_id,
+            published_at=published_at,
         )
 
     return _with_database_retries(claim)
@@ -299,10 +309,20 @@ def _failure_writer(*, run: Run, attempt: Attempt, exc: BaseException, worker: s
     return write
 
 
-def run_execute_delivery(*, run_id: str, handler: Callable, worker: str, message_id: str) -> dict:
-    """Claim, run and complete one delivered run. Returns a summary for Celery's log."""
+def run_execute_delivery(
+    *,
+    run_id: str,
+    handler: Callable,
+    worker: str,
+    message_id: str,
+    published_at: str | None = None,
+) -> dict:
+    """Claim, run and complete one delivered run. Returns a summary for Celery's log.
+    `published_at` (ISO 8601, from the message) is recorded by the claim."""
     try:
-        run, attempt = _claim(run_id=run_id, worker=worker)
+        run, attempt = _claim(
+            run_id=run_id, worker=worker, published_at=_parse_instant(published_at)
+        )
     except (OperationalError, InterfaceError):
         log.error("could not claim run %s; reconciliation will publish it again", run_id)
         return {"run_id": run_id, "outcome": "claim_failed"}

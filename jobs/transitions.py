@@ -224,8 +224,10 @@ def run_claim(
     lease_seconds: float,
     timeout_seconds: float | None = None,
     claim_id: uuid.UUID | None = None,
+    published_at: dt.datetime | None = None,
 ) -> Attempt | None:
     """queued -> running, with a new attempt holding the next fencing token and a lease.
+    `published_at`, the delivered message's publication, is kept from the first claim.
 
     None when the run is not queued: a duplicate delivery of a run already claimed or
     finished, which the caller refuses and counts.
@@ -236,7 +238,8 @@ def run_claim(
         UPDATE {Run._meta.db_table}
            SET state = %s, fencing_token = fencing_token + 1, attempt_count = attempt_count + 1,
                updated_at = %s,
-               started_at = COALESCE(started_at, %s), next_attempt_at = NULL
+               started_at = COALESCE(started_at, %s), next_attempt_at = NULL,
+               published_at = COALESCE(published_at, %s)
          WHERE id = %s AND state IN ({", ".join(["%s"] * len(RUN_TRANSITIONS[RunState.RUNNING]))})
      RETURNING fencing_token, attempt_count
     """
@@ -248,6 +251,7 @@ def run_claim(
                     RunState.RUNNING,
                     now,
                     now,
+                    published_at,
                     Run._meta.pk.get_db_prep_value(run_id, connection),
                     *sorted(RUN_TRANSITIONS[RunState.RUNNING]),
                 ],

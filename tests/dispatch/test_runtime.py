@@ -66,6 +66,18 @@ def test_a_second_delivery_of_a_claimed_run_is_refused_and_counted(queued_run):
     assert AuditEvent.objects.filter(run=run, action="run.duplicate_delivery_refused").count() == 1
 
 
+def test_the_claim_records_the_publication_time_the_message_carries(queued_run):
+    run = queued_run()
+    sent = "2030-01-01T12:00:00.250000+00:00"  # what dispatch.relay puts in the kwargs
+
+    outcome = run_execute_delivery(
+        run_id=str(run.id), handler=lambda ctx: None, worker="w", message_id="m", published_at=sent
+    )
+
+    assert outcome["outcome"] == "succeeded"
+    assert Run.objects.get(id=run.id).published_at == dt.datetime.fromisoformat(sent)
+
+
 # Transactional: ctx.heartbeat() renews from the lease keeper's own connection.
 @pytest.mark.django_db(transaction=True)
 def test_handler_context_carries_the_run_identity(queued_run):
