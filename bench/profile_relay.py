@@ -3,6 +3,7 @@
     .venv/bin/python bench/profile_relay.py --rows 10000 [--batch-size 1000] [--relays 2]
     .venv/bin/python bench/profile_relay.py --rows 10000 --profile 25   # + cProfile's top 25
     .venv/bin/python bench/profile_relay.py --latency 200   # one row at a time, idle relay
+    .venv/bin/python bench/profile_relay.py --feed --rows 20000 --relays 2   # while written
 
 Creates a fresh PostgreSQL database and RabbitMQ vhost (dropped afterwards), writes N queued
 runs with their outbox rows (through jobs.outbox, as the scheduler does), then runs the
@@ -13,7 +14,11 @@ under cProfile and prints the functions that took the most time (cProfile slows 
 code down, so the rate printed without it is the figure to quote). `--latency N` starts a
 real relay process (`manage.py relay`, idle, waiting on LISTEN with its 1 s poll as the
 safety net), commits one outbox row at a time and times commit -> the message received by a
-consumer of the queue. The machine is shared: repeat a measurement (`--repeat`) and quote
+consumer of the queue. `--feed` starts `--relays` real relay processes, then writes the rows
+in transactions of 1,000 runs with their outbox rows (a stand-in for the scheduler's bulk
+pass, in this process) and times the first commit -> the outbox empty: runs created,
+outboxed and confirmed per second, with the writer and relays sharing the machine. The
+machine is shared: repeat a measurement (`--repeat`) and quote
 the median.
 """
 
@@ -33,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import ROOT, bench_environment  # noqa: E402
 
 
-def fill_outbox(rows: int) -> None:
+def fill_outbox(rows: int, chunk: int = 5000) -> None:
     """N queued runs of one job, each with its pending outbox row, in a few bulk inserts."""
     import datetime as dt
     import uuid
@@ -62,7 +67,7 @@ def fill_outbox(rows: int) -> None:
         owner=owner, spec=spec.validated_data, now=now
     )
     version = job.versions.get()
-    for start in range(0, rows, 5000):
+    for start in range(0, rows, chunk):
         runs = [
             Run(
                 job=job,
@@ -74,7 +79,7 @@ def fill_outbox(rows: int) -> None:
                 due_at=now,
                 created_at=now,
             )
-            for _ in range(min(5000, rows - start))
+            for _ in range(min(chunk, rows - start))
         ]
         with transaction.atomic():
             Run.objects.bulk_create(runs)
@@ -151,23 +156,57 @@ def purge() -> None:
         broker.channel().queue_purge("jobs")
 
 
-def latency(trials: int, env: dict) -> list[float]:
-    """Seconds from the commit of one outbox row to its message reaching a consumer."""
+def start_relays(count: int, env: dict) -> list:
     import subprocess
 
+    relays = [
+        subprocess.Popen(
+            [sys.executable, str(ROOT / "manage.py"), "relay"],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )
+        for _ in range(count)
+    ]
+    for relay in relays:
+        assert relay.stdout.readline().strip() == b"relay started"
+    return relays
+
+
+def stop(relays: list) -> None:
+    for relay in relays:
+        relay.terminate()
+    for relay in relays:
+        relay.wait(30)
+
+
+def feed(rows: int, relays: int, env: dict) -> tuple[float, float]:
+    """(seconds to write the rows, seconds from the first commit to the outbox empty)."""
+    from jobs.models import OutboxMessage
+
+    processes = start_relays(relays, env)
+    try:
+        time.sleep(1.0)  # idle on LISTEN
+        began = time.perf_counter()
+        fill_outbox(rows, chunk=1000)
+        written = time.perf_counter() - began
+        while OutboxMessage.objects.exists():
+            time.sleep(0.01)
+        return written, time.perf_counter() - began
+    finally:
+        stop(processes)
+        purge()
+
+
+def latency(trials: int, env: dict) -> list[float]:
+    """Seconds from the commit of one outbox row to its message reaching a consumer."""
     from celery import current_app
     from django.conf import settings
     from kombu import Connection
 
-    relay = subprocess.Popen(
-        [sys.executable, str(ROOT / "manage.py"), "relay"],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-    )
+    relays = start_relays(1, env)
     seconds = []
     try:
-        assert relay.stdout.readline().strip() == b"relay started"
         with Connection(settings.CELERY_BROKER_URL) as broker:
             queue = broker.SimpleQueue(current_app.amqp.queues["jobs"], no_ack=True)
             for _ in range(trials):
@@ -177,8 +216,7 @@ def latency(trials: int, env: dict) -> list[float]:
                 queue.get(timeout=10)
                 seconds.append(time.perf_counter() - committed)
     finally:
-        relay.terminate()
-        relay.wait(30)
+        stop(relays)
     return seconds
 
 
@@ -190,6 +228,7 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--profile", type=int, default=0, help="print the top N functions")
     parser.add_argument("--latency", type=int, default=0, help="time N single rows instead")
+    parser.add_argument("--feed", action="store_true", help="relays drain while rows are written")
     args = parser.parse_args()
 
     with bench_environment("bench_relay", task_modules="tests.sample_tasks") as (env, _):
@@ -203,6 +242,15 @@ def main() -> None:
                 f"p50 {p(0.5) * 1000:.1f} ms, p99 {p(0.99) * 1000:.1f} ms, "
                 f"max {values[-1] * 1000:.1f} ms"
             )
+            return
+        if args.feed:
+            for _ in range(args.repeat):
+                written, drained = feed(args.rows, args.relays, env)
+                print(
+                    f"fed {args.rows} rows in {written:.2f}s ({args.rows / written:,.0f}/s) to "
+                    f"{args.relays} relay process(es): outbox empty after {drained:.2f}s, "
+                    f"{args.rows / drained:,.0f} runs/s created, outboxed and confirmed"
+                )
             return
 
         batch_size = args.batch_size or RelayConfig.batch_size

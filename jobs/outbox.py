@@ -13,25 +13,51 @@ from .models import OutboxMessage, OutboxState, Run
 from .notify import CHANNEL_OUTBOX, notify
 
 
-def outbox_enqueue_runs(*, runs: list[Run], now: dt.datetime) -> list[OutboxMessage]:
-    """One task message per run; `run.job_version` must be loaded. The relays are woken
-    when the transaction commits."""
-    messages = [
-        OutboxMessage(
-            run_id=run.id,
-            task_name=run.job_version.spec["task"],
-            queue=run.job_version.spec["queue"],
-            priority=run.job_version.spec["priority"],
-            timeout_seconds=run.job_version.spec.get("timeout_seconds"),
-            created_at=now,
+def outbox_enqueue_runs(*, runs: list[Run], now: dt.datetime) -> int:
+    """One task message per run (`run.job_version` must be loaded), in one INSERT; the
+    relays are woken when the transaction commits. Returns the rows written."""
+    if not runs:
+        return 0
+    specs = [run.job_version.spec for run in runs]
+    if connection.vendor != "postgresql":
+        OutboxMessage.objects.bulk_create(
+            OutboxMessage(
+                run_id=run.id,
+                task_name=spec["task"],
+                queue=spec["queue"],
+                priority=spec["priority"],
+                timeout_seconds=spec.get("timeout_seconds"),
+                created_at=now,
+            )
+            for run, spec in zip(runs, specs, strict=True)
         )
-        for run in runs
-    ]
-    if not messages:
-        return []
-    created = OutboxMessage.objects.bulk_create(messages)
+        return len(runs)  # SQLite: no NOTIFY, the relay polls
+    # Column arrays unnested server-side: no model instance or per-field conversion per row,
+    # which at thousands of runs a second was a third of the writer's time.
+    with connection.cursor() as cursor:
+        cursor.execute(
+            f"""
+            INSERT INTO {OutboxMessage._meta.db_table}
+                   (run_id, message_id, task_name, queue, priority, timeout_seconds, state,
+                    created_at, publish_tries, last_error)
+            SELECT run_id, gen_random_uuid(), task_name, queue, priority, timeout_seconds, %s,
+                   %s, 0, ''
+              FROM unnest(%s::uuid[], %s::text[], %s::text[], %s::int[], %s::int[])
+                   AS message(run_id, task_name, queue, priority, timeout_seconds)
+            """,
+            [
+                OutboxState.PENDING,
+                now,
+                [run.id for run in runs],
+                [spec["task"] for spec in specs],
+                [spec["queue"] for spec in specs],
+                [spec["priority"] for spec in specs],
+                [spec.get("timeout_seconds") for spec in specs],
+            ],
+        )
+        written = cursor.rowcount
     notify(CHANNEL_OUTBOX)
-    return created
+    return written
 
 
 def outbox_discard_pending(*, run_id) -> int:
