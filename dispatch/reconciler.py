@@ -2,15 +2,17 @@
 them, and counts and records every repair in the run's history.
 
 - A run `queued` whose message was published long ago but that no worker claimed (the
-  message was lost in the broker, or discarded by a worker that does not know the task):
-  published again, each time after twice the wait of the time before; with
-  `max_republish` set it fails as `undeliverable` after that many.
+  message was lost in the broker, or discarded by a worker that does not know the task, or
+  acknowledged by a worker that died before its claim), seen by its queue being empty or
+  by later messages of its queue having been claimed already: published again, each time
+  after twice the wait of the time before; with `max_republish` set it fails as
+  `undeliverable` after that many.
 - A run `running` without a running attempt holding its token (only a bug or a hand edit
   makes one): treated like a lost attempt, retried or failed by the job's policy.
 - Outbox rows pending too long: the relay keeps retrying them; here they are alarmed.
 
 Every repair is one conditional update on rows claimed with FOR UPDATE SKIP LOCKED, so any
-number of replicas may run it.
+number of replicas may run it; no transaction waits on the broker.
 """
 
 from __future__ import annotations
@@ -21,8 +23,8 @@ import logging
 from collections.abc import Callable
 
 from django.db import transaction
-from django.db.models import Exists, F, OuterRef, Q, Subquery
-from django.db.models.functions import Coalesce
+from django.db.models import Exists, Max, OuterRef, Q, Subquery
+from django.db.models.fields.json import KeyTextTransform
 from kombu import Connection
 
 from jobs.audit import audit_record
@@ -51,6 +53,7 @@ QueueDepth = Callable[[str], "int | None"]
 
 BACKOFF_STEPS = 6  # the wait before a re-publication doubles up to 2**6 times
 MAX_QUEUES = 1000  # queue depths asked per pass
+RECENT_CLAIMS = 1000  # the claims read for messages delivered after a lost one
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,7 +61,8 @@ class ReconcileConfig:
     batch_size: int = 200
     poll_interval: float = 5.0
     # A published run with no attempt after this long is presumed lost in the broker. While
-    # its queue still holds ready messages it may only be waiting, and is left alone.
+    # its queue still holds ready messages it may only be waiting, and is left alone,
+    # unless its queue delivered a message published this long after it.
     queued_after_seconds: float = 300.0
     # None: never give up (the default: a message held in a busy worker's prefetch buffer
     # cannot be told from a lost one, and giving up would fail a run that is only waiting).
@@ -91,10 +95,9 @@ class ReconcileResult:
 def reconcile_run_once(
     *, now: dt.datetime, config: ReconcileConfig, queue_depth: QueueDepth
 ) -> ReconcileResult:
-    with transaction.atomic():
-        republished, undeliverable = _republish_lost_messages(
-            now=now, config=config, queue_depth=queue_depth
-        )
+    republished, undeliverable = _republish_lost_messages(
+        now=now, config=config, queue_depth=queue_depth
+    )
     with transaction.atomic():
         orphans = _repair_orphaned_running(now=now, config=config)
     stuck = _alarm_stuck_outbox(now=now, config=config)
@@ -111,61 +114,93 @@ def _record(run: Run, *, action: str, kind: str, data: dict) -> None:
     counter_increment("scheduler_reconcile_repairs_total", labels=f'kind="{kind}"')
 
 
-def _republish_lost_messages(
-    *, now: dt.datetime, config: ReconcileConfig, queue_depth: QueueDepth
-) -> tuple[int, int]:
-    latest = OutboxMessage.objects.filter(run=OuterRef("pk")).order_by("-id")
+def _published_long_ago(*, now: dt.datetime, config: ReconcileConfig):
+    """Queued runs whose message was published (no outbox row is left pending) and that have
+    waited out their back-off since: the runs that may be lost, with their queue.
+
+    A run is published at (in practice a few ms after) the instant it entered `queued` or
+    was last republished, both of which stamp `updated_at`.
+    """
     wait = dt.timedelta(seconds=config.queued_after_seconds)
     # Each re-publication waits twice as long as the one before (up to 64x): in SQL, so
     # that runs still waiting out their back-off never fill the batch.
-    backed_off = Q(
-        republish_count__gte=BACKOFF_STEPS, last_published_at__lt=now - wait * 2**BACKOFF_STEPS
-    )
+    backed_off = Q(republish_count__gte=BACKOFF_STEPS, updated_at__lt=now - wait * 2**BACKOFF_STEPS)
     for count in range(BACKOFF_STEPS):
-        backed_off |= Q(republish_count=count, last_published_at__lt=now - wait * 2**count)
-    candidates = (
-        # Queued for longer than the wait (every transition stamps updated_at): an index
-        # range first, then the per-run subqueries.
+        backed_off |= Q(republish_count=count, updated_at__lt=now - wait * 2**count)
+    return (
+        # An index range first (run_queued_idx), then the per-run conditions.
         Run.objects.filter(state=RunState.QUEUED, updated_at__lt=now - wait)
-        .annotate(
-            last_message_state=Subquery(latest.values("state")[:1]),
-            last_published_at=Subquery(latest.values("published_at")[:1]),
-            last_queue=Coalesce(Subquery(latest.values("queue")[:1]), F("job__queue")),
-        )
-        .filter(
-            Q(last_message_state__isnull=True)
-            | Q(backed_off, last_message_state=OutboxState.PUBLISHED)
-        )
+        .filter(backed_off)
+        .filter(~Exists(OutboxMessage.objects.filter(run=OuterRef("pk"))))
+        .annotate(message_queue=KeyTextTransform("queue", "job_version__spec"))
     )
-    # Only queues with nothing waiting in them: elsewhere the message may still be in line.
+
+
+def _latest_delivered_publications(queues: list[str]) -> dict[str, dt.datetime]:
+    """For each queue, the latest publication time of a message that a worker claimed among
+    the last RECENT_CLAIMS claims (the claim records the message's `published_at`)."""
+    recent = Attempt.objects.order_by("-id").values("run_id")[:RECENT_CLAIMS]
+    rows = (
+        Run.objects.filter(id__in=Subquery(recent), published_at__isnull=False)
+        .annotate(message_queue=KeyTextTransform("queue", "job_version__spec"))
+        .filter(message_queue__in=queues)
+        .values("message_queue")
+        .annotate(latest=Max("published_at"))
+        .values_list("message_queue", "latest")
+    )
+    return dict(rows)
+
+
+def _republish_lost_messages(
+    *, now: dt.datetime, config: ReconcileConfig, queue_depth: QueueDepth
+) -> tuple[int, int]:
+    """A published, unclaimed run is lost when its queue holds no ready message (it cannot
+    be waiting in line), or when a worker claimed from its queue a message published more
+    than the wait after it (RabbitMQ queues are first in, first out: it should have come
+    first). The evidence is gathered outside any transaction (the broker's queue depths
+    are network calls); the repair rechecks everything under the row lock."""
+    wait = dt.timedelta(seconds=config.queued_after_seconds)
+    candidates = _published_long_ago(now=now, config=config)
     # Asked per queue first, so that a backlog on one queue never starves the others.
     queues = sorted(
-        candidates.order_by().values_list("last_queue", flat=True).distinct()[:MAX_QUEUES]
+        candidates.order_by().values_list("message_queue", flat=True).distinct()[:MAX_QUEUES]
     )
+    if not queues:
+        return 0, 0
+    overtaken_after = _latest_delivered_publications(queues)
     idle = [queue for queue in queues if queue_depth(queue) == 0]
-    runs = list(
-        candidates.filter(last_queue__in=idle)
-        .select_for_update(skip_locked=True, of=("self",))
-        .select_related("job_version")
-        .order_by("last_published_at", "created_at")[: config.batch_size]
-    )
+    evidence = Q(message_queue__in=idle)
+    for queue, published_at in overtaken_after.items():
+        evidence |= Q(message_queue=queue, updated_at__lt=published_at - wait)
     republished = undeliverable = 0
-    for run in runs:
-        if config.max_republish is not None and run.republish_count >= config.max_republish:
-            if run_give_up(run_id=run.id, now=now, reason=FailureReason.UNDELIVERABLE):
-                undeliverable += 1
-                _record(run, action="run.undeliverable", kind="undeliverable",
-                        data={"republished": run.republish_count})  # fmt: skip
-            continue
-        if not run_count_republish(run_id=run.id):
-            continue
-        outbox_enqueue_runs(runs=[run], now=now)
-        republished += 1
-        _record(run, action="run.republished", kind="republished",
-                data={"last_published_at": run.last_published_at.isoformat()
-                      if run.last_published_at else None,
-                      "republish": run.republish_count + 1})  # fmt: skip
-        log.warning("run %s was published but never claimed; published it again", run.id)
+    with transaction.atomic():
+        runs = list(
+            candidates.filter(evidence)
+            .select_for_update(skip_locked=True, of=("self",))
+            .select_related("job_version")
+            .order_by("updated_at", "created_at")[: config.batch_size]
+        )
+        for run in runs:
+            lost_because = "queue_idle" if run.message_queue in idle else "later_message_claimed"
+            if config.max_republish is not None and run.republish_count >= config.max_republish:
+                if run_give_up(run_id=run.id, now=now, reason=FailureReason.UNDELIVERABLE):
+                    undeliverable += 1
+                    _record(run, action="run.undeliverable", kind="undeliverable",
+                            data={"republished": run.republish_count})  # fmt: skip
+                continue
+            if not run_count_republish(run_id=run.id, now=now):
+                continue
+            outbox_enqueue_runs(runs=[run], now=now)
+            republished += 1
+            _record(run, action="run.republished", kind="republished",
+                    data={"last_published_at": run.updated_at.isoformat(),
+                          "republish": run.republish_count + 1,
+                          "lost_because": lost_because})  # fmt: skip
+            log.warning(
+                "run %s was published but never claimed (%s); published it again",
+                run.id,
+                lost_because,
+            )
     return republished, undeliverable
 
 

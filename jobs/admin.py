@@ -132,8 +132,9 @@ class AuditEventAdmin(ReadOnlyAdmin):
 
 @admin.register(OutboxMessage)
 class OutboxMessageAdmin(ReadOnlyAdmin):
-    list_display = ("id", "run", "task_name", "queue", "state", "created_at", "published_at")
-    list_filter = ("state", "queue")
+    # Only pending rows exist: the relay deletes a row once the broker confirmed it.
+    list_display = ("id", "run", "task_name", "queue", "created_at", "publish_tries")
+    list_filter = ("queue",)
 
 
 @admin.register(Effect)

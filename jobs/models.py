@@ -286,12 +286,15 @@ class IdempotencyRecord(models.Model):
 
 
 class OutboxState(models.TextChoices):
-    PENDING = "pending"  # written with the state change; the relay moves it to published
-    PUBLISHED = "published"  # terminal: the broker confirmed it
+    # Written with the state change; the relay deletes the row once the broker confirmed
+    # it, so a row is pending for as long as it exists (the worker's claim stamps the run's
+    # `published_at`, sent in the message).
+    PENDING = "pending"
 
 
 class OutboxMessage(models.Model):
-    """A task message to publish, committed in the transaction that made it necessary."""
+    """A task message to publish, committed in the transaction that made it necessary, and
+    deleted by the relay in the transaction that saw the broker confirm it."""
 
     run = models.ForeignKey(Run, on_delete=models.CASCADE, related_name="outbox_messages")
     # The Celery task id: the same on every re-publication of this row.
@@ -306,7 +309,6 @@ class OutboxMessage(models.Model):
         max_length=16, choices=OutboxState.choices, default=OutboxState.PENDING
     )
     created_at = models.DateTimeField()
-    published_at = models.DateTimeField(null=True, blank=True)
     publish_tries = models.PositiveIntegerField(default=0)
     last_error = models.TextField(blank=True, default="")
 

@@ -1,26 +1,63 @@
-"""Writing outbox rows, always inside the transaction of the state change that needs them."""
+"""Writing outbox rows, always inside the transaction of the state change that needs them.
+
+A row exists only while its message waits to be published: the relay deletes it in the
+transaction that saw the broker confirm it (`outbox_delete_published`).
+"""
 
 import datetime as dt
 
+from django.db import connection
 from django.db.models import F
 
 from .models import OutboxMessage, OutboxState, Run
+from .notify import CHANNEL_OUTBOX, notify
 
 
-def outbox_enqueue_runs(*, runs: list[Run], now: dt.datetime) -> list[OutboxMessage]:
-    """One task message per run; `run.job_version` must be loaded."""
-    messages = [
-        OutboxMessage(
-            run_id=run.id,
-            task_name=run.job_version.spec["task"],
-            queue=run.job_version.spec["queue"],
-            priority=run.job_version.spec["priority"],
-            timeout_seconds=run.job_version.spec.get("timeout_seconds"),
-            created_at=now,
+def outbox_enqueue_runs(*, runs: list[Run], now: dt.datetime) -> int:
+    """One task message per run (`run.job_version` must be loaded), in one INSERT; the
+    relays are woken when the transaction commits. Returns the rows written."""
+    if not runs:
+        return 0
+    specs = [run.job_version.spec for run in runs]
+    if connection.vendor != "postgresql":
+        OutboxMessage.objects.bulk_create(
+            OutboxMessage(
+                run_id=run.id,
+                task_name=spec["task"],
+                queue=spec["queue"],
+                priority=spec["priority"],
+                timeout_seconds=spec.get("timeout_seconds"),
+                created_at=now,
+            )
+            for run, spec in zip(runs, specs, strict=True)
         )
-        for run in runs
-    ]
-    return OutboxMessage.objects.bulk_create(messages)
+        return len(runs)  # SQLite: no NOTIFY, the relay polls
+    # Column arrays unnested server-side: no model instance or per-field conversion per row,
+    # which at thousands of runs a second was a third of the writer's time.
+    with connection.cursor() as cursor:
+        cursor.execute(
+            f"""
+            INSERT INTO {OutboxMessage._meta.db_table}
+                   (run_id, message_id, task_name, queue, priority, timeout_seconds, state,
+                    created_at, publish_tries, last_error)
+            SELECT run_id, gen_random_uuid(), task_name, queue, priority, timeout_seconds, %s,
+                   %s, 0, ''
+              FROM unnest(%s::uuid[], %s::text[], %s::text[], %s::int[], %s::int[])
+                   AS message(run_id, task_name, queue, priority, timeout_seconds)
+            """,
+            [
+                OutboxState.PENDING,
+                now,
+                [run.id for run in runs],
+                [spec["task"] for spec in specs],
+                [spec["queue"] for spec in specs],
+                [spec["priority"] for spec in specs],
+                [spec.get("timeout_seconds") for spec in specs],
+            ],
+        )
+        written = cursor.rowcount
+    notify(CHANNEL_OUTBOX)
+    return written
 
 
 def outbox_discard_pending(*, run_id) -> int:
@@ -32,11 +69,15 @@ def outbox_discard_pending(*, run_id) -> int:
     return OutboxMessage.objects.filter(id__in=[m.id for m in unsent]).delete()[0]
 
 
-def outbox_mark_published(*, message_ids: list, now: dt.datetime) -> int:
-    """The broker confirmed these rows: they are done."""
-    return OutboxMessage.objects.filter(id__in=message_ids, state=OutboxState.PENDING).update(
-        state=OutboxState.PUBLISHED, published_at=now
-    )
+def outbox_delete_published(*, message_ids: list) -> int:
+    """The broker confirmed these rows (the caller holds their locks): they are done."""
+    if connection.vendor != "postgresql":
+        return OutboxMessage.objects.filter(id__in=message_ids).delete()[0]
+    with connection.cursor() as cursor:
+        cursor.execute(
+            f"DELETE FROM {OutboxMessage._meta.db_table} WHERE id = ANY(%s)", [message_ids]
+        )
+        return cursor.rowcount
 
 
 def outbox_record_failure(*, message_ids: list, error: BaseException) -> int:

@@ -222,16 +222,12 @@ def run_give_up(*, run_id, now: dt.datetime, reason: str) -> bool:
     )
 
 
-def runs_mark_published(*, run_ids: list, now: dt.datetime) -> int:
-    """Stamp the first publication of runs the broker confirmed (a republication keeps it)."""
-    return Run.objects.filter(id__in=run_ids, published_at__isnull=True).update(published_at=now)
-
-
-def run_count_republish(*, run_id) -> bool:
-    """A queued run published again by reconciliation: counted, while it is still queued."""
+def run_count_republish(*, run_id, now: dt.datetime) -> bool:
+    """A queued run published again by reconciliation: counted, while it is still queued.
+    `updated_at` is stamped, so that the next republication's wait counts from this one."""
     return bool(
         Run.objects.filter(id=run_id, state=RunState.QUEUED).update(
-            republish_count=F("republish_count") + 1
+            republish_count=F("republish_count") + 1, updated_at=now
         )
     )
 

@@ -172,12 +172,13 @@ def claim(run, *, at: dt.datetime = PINNED_NOW, timeout: float | None = None):
 
 
 def publish(run, *, at: dt.datetime = PINNED_NOW) -> None:
-    """What the relay does once the broker confirmed the run's pending rows."""
-    from jobs.models import OutboxMessage, OutboxState
+    """What the relay does once the broker confirmed the run's pending rows: deletes them.
+    The run is made queued (hence published) at `at`, the instant from which
+    reconciliation counts a published run's wait."""
+    from jobs.models import OutboxMessage, Run
 
-    assert OutboxMessage.objects.filter(run=run, state=OutboxState.PENDING).update(
-        state=OutboxState.PUBLISHED, published_at=at
-    )
+    assert OutboxMessage.objects.filter(run=run).delete()[0]
+    assert Run.objects.filter(id=run.id).update(updated_at=at)
 
 
 def run_snapshot(run_id) -> tuple[dict, list[dict], list[dict]]:

@@ -20,14 +20,12 @@ from jobs.models import (
     AttemptState,
     Counter,
     Effect,
-    OutboxMessage,
-    OutboxState,
     Run,
     RunState,
 )
 from jobs.services import run_cancel_request
 from jobs.transitions import attempt_renew_lease, attempt_succeed, run_claim
-from tests.factories import PINNED_NOW
+from tests.factories import PINNED_NOW, publish
 from tests.threads import in_thread, wait_for_lock_waiters
 
 NOW = PINNED_NOW
@@ -167,16 +165,11 @@ def test_runs_waiting_out_their_backoff_never_starve_a_newly_lost_message(queued
     waiting = []
     for _ in range(3):
         run = queued_run()
-        OutboxMessage.objects.filter(run=run).update(
-            state=OutboxState.PUBLISHED, published_at=later(-3600)
-        )
-        Run.objects.filter(id=run.id).update(republish_count=6, updated_at=later(-7200))
+        publish(run, at=later(-3600))  # republished 6 times, the last an hour ago
+        Run.objects.filter(id=run.id).update(republish_count=6)
         waiting.append(run)
     lost = queued_run()
-    OutboxMessage.objects.filter(run=lost).update(
-        state=OutboxState.PUBLISHED, published_at=later(-600)
-    )
-    Run.objects.filter(id=lost.id).update(updated_at=later(-700))
+    publish(lost, at=later(-600))
 
     result = reconcile_run_once(
         now=NOW, config=ReconcileConfig(batch_size=3), queue_depth=lambda queue: 0

@@ -1,7 +1,8 @@
 """Reconciliation in process (dispatch.reconciler): runs whose message was lost in the broker
-are published again, then given up as undeliverable; running runs without a live attempt
-are repaired. The broker's queue depth is a seam (`queue_depth`), faked here except in the
-one test that asks the session's real RabbitMQ vhost."""
+(their queue is empty, or later messages of their queue were claimed) are published again,
+then given up as undeliverable; running runs without a live attempt are repaired. The
+broker's queue depth is a seam (`queue_depth`), faked here except in the one test that asks
+the session's real RabbitMQ vhost."""
 
 from __future__ import annotations
 
@@ -76,6 +77,7 @@ def queued_run(make_job):
 
 def test_a_run_published_long_ago_and_never_claimed_is_published_again(queued_run):
     lost = queued_run()
+    first_message_id = OutboxMessage.objects.get(run=lost).message_id
     publish(lost, at=later(-THRESHOLD - 1))
     recent = queued_run()
     publish(recent, at=later(-THRESHOLD + 1))
@@ -92,16 +94,20 @@ def test_a_run_published_long_ago_and_never_claimed_is_published_again(queued_ru
     assert asked == ["jobs"]  # asked once per queue, not once per run
     lost.refresh_from_db()
     assert (lost.state, lost.republish_count) == (RunState.QUEUED, 1)
-    messages = list(OutboxMessage.objects.filter(run=lost).order_by("id"))
-    assert [m.state for m in messages] == [OutboxState.PUBLISHED, OutboxState.PENDING]
-    fresh = messages[1]
-    assert (fresh.created_at, fresh.task_name, fresh.queue) == (NOW, "tests.record", "jobs")
-    assert fresh.message_id != messages[0].message_id
+    fresh = OutboxMessage.objects.get(run=lost)
+    assert (fresh.state, fresh.created_at, fresh.task_name, fresh.queue) == (
+        OutboxState.PENDING,
+        NOW,
+        "tests.record",
+        "jobs",
+    )
+    assert fresh.message_id != first_message_id
     event = AuditEvent.objects.get(run=lost, action="run.republished")
     assert (event.actor_label, event.job_id) == ("system:reconciler", lost.job_id)
     assert event.data == {
         "last_published_at": later(-THRESHOLD - 1).isoformat(),
         "republish": 1,
+        "lost_because": "queue_idle",
     }
     assert counter("scheduler_reconcile_repairs_total", 'kind="republished"') == 1
     # The recent one may still be on its way to a worker.
@@ -110,7 +116,7 @@ def test_a_run_published_long_ago_and_never_claimed_is_published_again(queued_ru
 
     # Its new row is pending now: the relay's job, not reconciliation's.
     assert reconcile_run_once(now=NOW, config=CONFIG, queue_depth=depth).republished == 0
-    assert OutboxMessage.objects.filter(run=lost).count() == 2
+    assert OutboxMessage.objects.filter(run=lost).count() == 1
     assert counter("scheduler_reconcile_repairs_total", 'kind="republished"') == 1
 
 
@@ -167,8 +173,7 @@ def test_after_max_republish_tries_the_run_fails_as_undeliverable(queued_run, us
         at,
     )
     assert run.republish_count == 2
-    assert OutboxMessage.objects.filter(run=run).count() == 3  # no fourth publication
-    assert not OutboxMessage.objects.filter(run=run, state=OutboxState.PENDING).exists()
+    assert not OutboxMessage.objects.filter(run=run).exists()  # no fourth publication
     assert AuditEvent.objects.get(run=run, action="run.undeliverable").data == {"republished": 2}
     assert counter("scheduler_reconcile_repairs_total", 'kind="undeliverable"') == 1
     assert counter("scheduler_reconcile_repairs_total", 'kind="republished"') == 2
@@ -213,6 +218,40 @@ def test_the_real_broker_tells_a_queue_with_messages_from_a_missing_one(queued_r
         finally:
             queue.bind(c.default_channel).delete()
             depth.close()
+
+
+def test_a_run_whose_queue_delivered_later_messages_is_lost_even_while_the_queue_is_busy(
+    queued_run,
+):
+    lost = queued_run()
+    publish(lost, at=later(-3 * THRESHOLD))
+    # Published only a minute before the message claimed below: it may be waiting in the
+    # prefetch buffer of a busy worker.
+    recent = queued_run()
+    publish(recent, at=later(-THRESHOLD - 60))
+    elsewhere = queued_run(queue="other")
+    publish(elsewhere, at=later(-3 * THRESHOLD))
+    delivered = queued_run()
+    publish(delivered, at=later(-THRESHOLD))
+    assert run_claim(run_id=delivered.id, worker="w", now=later(-THRESHOLD + 1), lease_seconds=30)
+    # What the worker's claim records from the message it was delivered.
+    Run.objects.filter(id=delivered.id).update(published_at=later(-THRESHOLD))
+    before = [snapshot(run.id) for run in (recent, elsewhere)]
+
+    result = reconcile_run_once(now=NOW, config=CONFIG, queue_depth=lambda queue: 5)
+
+    assert result == ReconcileResult(republished=1)
+    assert Run.objects.get(id=lost.id).republish_count == 1
+    assert OutboxMessage.objects.filter(run=lost).count() == 1
+    event = AuditEvent.objects.get(run=lost, action="run.republished")
+    assert event.data["lost_because"] == "later_message_claimed"
+    assert [snapshot(run.id) for run in (recent, elsewhere)] == before
+    # The claimed message was published before this republication: it says nothing of it.
+    publish(lost, at=NOW)
+    later_pass = reconcile_run_once(
+        now=later(4 * THRESHOLD), config=CONFIG, queue_depth=lambda q: 5
+    )
+    assert later_pass == ReconcileResult()
 
 
 # --- orphaned running runs -------------------------------------------------------------

@@ -1,17 +1,27 @@
 """The outbox relay in process, against the real RabbitMQ vhost of this test session."""
 
+import dataclasses
 import datetime as dt
 import json
+import time
+import uuid
 
 import pytest
 from celery import current_app
 from django.conf import settings
 from kombu import Connection
 
-from dispatch.relay import ConfirmingPublisher, RelayConfig, relay_run_once
+from dispatch.relay import (
+    ConfirmingPublisher,
+    PendingMessage,
+    RelayConfig,
+    published_at_text,
+    relay_run_once,
+)
 from dispatch.scheduler import SchedulerConfig, scheduler_run_once
 from jobs.models import OutboxMessage, OutboxState, Run
-from tests.processes import purge_queue
+from tests.factories import run_snapshot
+from tests.processes import purge_queue, wait_for
 
 NOW = dt.datetime(2030, 1, 1, tzinfo=dt.UTC)
 
@@ -34,7 +44,7 @@ def pending_runs(make_job):
 
 
 def _drain_queue() -> list[dict]:
-    """Every message now in the `jobs` queue, as (headers, body)."""
+    """Every message now in the `jobs` queue: its headers, properties and decoded body."""
     with Connection(settings.CELERY_BROKER_URL) as broker:
         # Declared as the product declares it (classic or quorum).
         queue = broker.SimpleQueue(current_app.amqp.queues["jobs"], no_ack=True)
@@ -44,31 +54,83 @@ def _drain_queue() -> list[dict]:
                 message = queue.get(timeout=1)
             except queue.Empty:
                 return messages
-            messages.append({"headers": message.headers, "body": json.loads(message.body)})
+            messages.append(
+                {
+                    "headers": message.headers,
+                    "properties": message.properties,
+                    "content": (message.content_type, message.content_encoding),
+                    "body": json.loads(message.body),
+                }
+            )
 
 
-def test_relay_publishes_celery_task_messages_and_marks_rows_after_the_confirm(pending_runs):
+def test_relay_publishes_celery_task_messages_and_deletes_rows_after_the_confirm(pending_runs):
     runs = pending_runs(3)
+    message_ids = {str(i) for i in OutboxMessage.objects.values_list("message_id", flat=True)}
+    runs_before = [run_snapshot(run.id)[0] for run in runs]
     publisher = ConfirmingPublisher(
         settings.CELERY_BROKER_URL, settings.CELERY_BROKER_TRANSPORT_OPTIONS
     )
     try:
         result = relay_run_once(now=NOW, config=RelayConfig(batch_size=2), publisher=publisher)
         assert (result.published, result.batch_full) == (2, True)
+        assert OutboxMessage.objects.count() == 1
         result = relay_run_once(now=NOW, config=RelayConfig(batch_size=2), publisher=publisher)
         assert (result.published, result.batch_full) == (1, False)
         assert relay_run_once(now=NOW, config=RelayConfig(), publisher=publisher).published == 0
     finally:
         publisher.close()
-    assert not OutboxMessage.objects.filter(state=OutboxState.PENDING).exists()
-    assert all(run.published_at == NOW for run in Run.objects.all())
+    assert not OutboxMessage.objects.exists()
+    # The relay does not write the run rows: the worker's claim records `published_at`.
+    assert [run_snapshot(run.id)[0] for run in runs] == runs_before
     messages = _drain_queue()
     # Celery's task protocol v2: the task name in the headers, (args, kwargs, embed) as body.
     assert sorted(m["headers"]["task"] for m in messages) == ["tests.record"] * 3
     assert sorted(m["body"][1]["run_id"] for m in messages) == sorted(str(r.id) for r in runs)
-    assert {m["headers"]["id"] for m in messages} == {
-        str(i) for i in OutboxMessage.objects.values_list("message_id", flat=True)
+    assert {m["body"][1]["published_at"] for m in messages} == {
+        NOW.isoformat(timespec="microseconds")
     }
+    assert {m["headers"]["id"] for m in messages} == message_ids
+
+
+def test_the_relays_encoded_frames_are_the_messages_kombu_sends():
+    """The AMQP fast path (a template per task, ids substituted) against kombu's Producer."""
+    purge_queue()
+    first = PendingMessage(
+        id=1,
+        message_id=uuid.uuid4(),
+        run_id=uuid.uuid4(),
+        task_name="tests.record",
+        queue="jobs",
+        priority=3,
+        timeout_seconds=30,
+    )
+    second = dataclasses.replace(first, id=2, message_id=uuid.uuid4(), run_id=uuid.uuid4())
+    published_at = published_at_text(NOW)
+    publisher = ConfirmingPublisher(
+        settings.CELERY_BROKER_URL, settings.CELERY_BROKER_TRANSPORT_OPTIONS
+    )
+    try:
+        publisher.publish_batch_and_confirm(
+            [first, second], published_at=published_at, timeout=15
+        )  # the second from the template the first made
+        publisher._publish_kombu([first, second], published_at)
+    finally:
+        publisher.close()
+    messages = _drain_queue()
+    purge_queue()
+
+    assert len(messages) == 4
+    assert messages[:2] == messages[2:]
+    assert [m["body"][1] for m in messages[:2]] == [
+        {"run_id": str(m.run_id), "published_at": published_at} for m in (first, second)
+    ]
+    assert [m["headers"]["id"] for m in messages[:2]] == [
+        str(first.message_id),
+        str(second.message_id),
+    ]
+    assert messages[0]["headers"]["timelimit"] == [45, 30]
+    assert messages[0]["properties"]["priority"] == 3
 
 
 def test_unreachable_broker_leaves_rows_pending_with_tries_and_error(pending_runs):
@@ -95,3 +157,24 @@ def test_confirms_settle_only_the_tags_they_name():
     assert not publisher.nacked
     publisher._on_nack(4, True)
     assert publisher.nacked
+
+
+@pytest.mark.slow
+def test_the_relay_process_is_woken_by_the_commit_of_an_outbox_row(stack, make_job):
+    """A relay that polls only once a minute publishes a new row long before: every writer
+    of outbox rows notifies the relays (jobs.outbox), and the relay waits on LISTEN."""
+    relay = stack.relay("relay", "--poll-interval", "60")
+    wait_for(lambda: b"relay started" in stack.log("relay"), timeout=30, message="the relay")
+    time.sleep(2)  # its first poll found the outbox empty: it now sleeps for a minute
+    now = dt.datetime.now(dt.UTC)
+    job = make_job(now=now, schedule={"kind": "once", "run_at": now.isoformat()})
+    scheduler_run_once(now=now, config=SchedulerConfig())
+    assert OutboxMessage.objects.filter(run__job=job).exists()
+
+    wait_for(
+        lambda: not OutboxMessage.objects.filter(run__job=job).exists(),
+        timeout=30,
+        message="the relay to publish the row before its next poll",
+    )
+    assert relay.poll() is None
+    assert [m["body"][1]["run_id"] for m in _drain_queue()] == [str(Run.objects.get(job=job).id)]

@@ -66,6 +66,18 @@ def test_a_second_delivery_of_a_claimed_run_is_refused_and_counted(queued_run):
     assert AuditEvent.objects.filter(run=run, action="run.duplicate_delivery_refused").count() == 1
 
 
+def test_the_claim_records_the_publication_time_the_message_carries(queued_run):
+    run = queued_run()
+    sent = "2030-01-01T12:00:00.250000+00:00"  # what dispatch.relay puts in the kwargs
+
+    outcome = run_execute_delivery(
+        run_id=str(run.id), handler=lambda ctx: None, worker="w", message_id="m", published_at=sent
+    )
+
+    assert outcome["outcome"] == "succeeded"
+    assert Run.objects.get(id=run.id).published_at == dt.datetime.fromisoformat(sent)
+
+
 # Transactional: ctx.heartbeat() renews from the lease keeper's own connection.
 @pytest.mark.django_db(transaction=True)
 def test_handler_context_carries_the_run_identity(queued_run):
@@ -238,9 +250,7 @@ def test_cancel_of_a_queued_run_deletes_its_unsent_message_and_the_worker_refuse
     assert_worker_refuses_cancelled(run)
 
 
-def test_cancel_of_a_published_queued_run_keeps_the_sent_row_and_the_worker_refuses_it(
-    api, queued_run
-):
+def test_cancel_of_a_published_queued_run_and_the_worker_refuses_its_message(api, queued_run):
     run = queued_run()
     publish(run)
 
@@ -248,7 +258,7 @@ def test_cancel_of_a_published_queued_run_keeps_the_sent_row_and_the_worker_refu
 
     assert response.status_code == 200, response.content
     assert Run.objects.get(id=run.id).state == RunState.CANCELLED
-    assert OutboxMessage.objects.get(run=run).state == OutboxState.PUBLISHED
+    assert not OutboxMessage.objects.filter(run=run).exists()  # the relay deleted it when sent
     assert AuditEvent.objects.filter(run=run, action="run.cancelled").count() == 1
     assert_worker_refuses_cancelled(run)
 
@@ -395,7 +405,7 @@ def test_replay_of_a_failed_run_queues_the_same_run_for_the_next_attempt(api, us
     assert (run.state, run.failure_reason, run.idempotency_key) == (RunState.QUEUED, "", key)
     assert (run.finished_at, run.retry_base) == (None, 2)
     assert OutboxMessage.objects.filter(run=run, state=OutboxState.PENDING).count() == 1
-    assert OutboxMessage.objects.filter(run=run).count() == 3
+    assert OutboxMessage.objects.filter(run=run).count() == 1  # the sent rows were deleted
     event = AuditEvent.objects.get(run=run, action="run.replayed")
     assert (event.actor, event.data) == (
         user,

@@ -3,14 +3,24 @@ from django.core.management.base import BaseCommand, CommandError
 
 from dispatch.loop import StopSignal, run_loop, run_once_step
 from dispatch.relay import ConfirmingPublisher, RelayConfig, relay_run_once
+from dispatch.wakeup import Listener
+from jobs.notify import CHANNEL_OUTBOX
 
 
 class Command(BaseCommand):
-    help = "Run one outbox relay: publishes pending outbox rows with publisher confirms."
+    help = (
+        "Run one outbox relay: publishes pending outbox rows with publisher confirms, woken "
+        "by every commit that writes outbox rows (LISTEN/NOTIFY), polling as a safety net."
+    )
 
     def add_arguments(self, parser):
         parser.add_argument("--batch-size", type=int, default=RelayConfig.batch_size)
-        parser.add_argument("--poll-interval", type=float, default=RelayConfig.poll_interval)
+        parser.add_argument(
+            "--poll-interval",
+            type=float,
+            default=RelayConfig.poll_interval,
+            help="seconds between looks at an empty outbox when no notification came",
+        )
         parser.add_argument("--max-steps", type=int, default=None, help="stop after N steps")
 
     def handle(self, *args, batch_size, poll_interval, max_steps, **options):
@@ -28,14 +38,18 @@ class Command(BaseCommand):
             sleep=lambda result: 0.0 if result.published else config.poll_interval,
             publisher=publisher,
         )
+        stop = StopSignal().install()
+        listener = Listener((CHANNEL_OUTBOX,), stop)
         self.stdout.write("relay started")
         try:
             run_loop(
                 step,
                 name="relay",
-                stop=StopSignal().install(),
+                stop=stop,
                 max_steps=max_steps,
                 on_error=lambda exc: publisher.reset(),
+                wait=listener.wait,
             )
         finally:
+            listener.close()
             publisher.close()
