@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as dt
+import functools
 import json
 import re
 
@@ -247,7 +248,7 @@ class JobSpecSerializer(StrictSerializer):
         # An omitted policy is stored whole, with its defaults, in the job's version.
         for field, serializer in self.NESTED_DEFAULTS.items():
             if not attrs[field]:
-                attrs[field] = dict(serializer().run_validation({}))
+                attrs[field] = dict(_defaults_of(serializer))
         limit = settings.SCHEDULER_MAX_PAYLOAD_BYTES
         for field in ("args", "kwargs"):
             problem = json_problem(attrs[field])
@@ -277,7 +278,8 @@ class JobSpecSerializer(StrictSerializer):
         # Evaluate the schedule once now, so that one that cannot fire is refused here
         # rather than found by the scheduler.
         try:
-            first = schedules.job_first_fire(spec=attrs, now=timezone.now())
+            now = self.context.get("now") or timezone.now()
+            first = schedules.job_first_fire(spec=attrs, now=now)
         except schedules.ScheduleError as exc:
             raise serializers.ValidationError({"schedule": [str(exc)]}) from exc
         if first is None:
@@ -285,6 +287,8 @@ class JobSpecSerializer(StrictSerializer):
                 {"end_at": ["The schedule has no occurrence before end_at."]}
             )
         self._check_jitter(attrs, first)
+        if "now" in self.context:  # the caller creates the job at that instant: reuse it
+            self.context["first_fire"] = first
         return attrs
 
     @staticmethod
@@ -314,6 +318,13 @@ class JobSpecSerializer(StrictSerializer):
                     ]
                 }
             )
+
+
+@functools.cache
+def _defaults_of(serializer_class) -> dict:
+    """A nested policy's defaults, validated once (its fields are constants), not once per
+    body: a serializer's construction copies all its fields."""
+    return dict(serializer_class().run_validation({}))
 
 
 def job_patched_spec(*, spec: dict, patch) -> dict:
