@@ -45,6 +45,7 @@ INSTALLED_APPS = [
 
 MIDDLEWARE = [
     "scheduler_project.middleware.BodySizeLimitMiddleware",
+    "scheduler_project.middleware.DatabaseUnavailableMiddleware",
     "django.middleware.security.SecurityMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
     "django.middleware.common.CommonMiddleware",
@@ -112,6 +113,7 @@ USE_I18N = True
 USE_TZ = True
 
 STATIC_URL = "static/"
+SCHEDULER_SERVE_STATIC = env.SCHEDULER_SERVE_STATIC
 STATIC_ROOT = VAR_DIR / "static"
 
 # Run logs' content (logs_app): the filesystem under var/logs unless configured otherwise.

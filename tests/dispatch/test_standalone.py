@@ -60,6 +60,19 @@ def test_standalone_on_embedded_defaults_runs_a_job_end_to_end(tmp_path):
         http.headers["Authorization"] = f"Token {token}"
         base = f"http://127.0.0.1:{port}/api/v1"
         wait_for(lambda: _answers(http, f"{base}/jobs/"), timeout=60, message="the web server")
+        # A production server that the project installs, not Django's development one.
+        assert http.get(f"{base}/jobs/").headers["Server"].startswith("gunicorn")
+        admin_css = http.get(f"http://127.0.0.1:{port}/static/admin/css/base.css")
+        assert admin_css.status_code == 200
+        bulk = http.post(
+            f"{base}/jobs/bulk/",
+            json=[
+                {"name": f"bulk {i}", "task": "scheduler.echo", "idempotency_key": f"b{i}",
+                 "schedule": {"kind": "cron", "expression": "0 9 * * *"}}
+                for i in range(3)
+            ],
+        )  # fmt: skip
+        assert bulk.status_code == 201, bulk.text
         run_at = (dt.datetime.now(dt.UTC) + dt.timedelta(seconds=2)).isoformat()
         created = http.post(
             f"{base}/jobs/",
