@@ -52,6 +52,7 @@ from .validation import (
     JobSpecSerializer,
     PreviewSerializer,
     job_patched_spec,
+    job_spec_check,
 )
 
 
@@ -291,9 +292,8 @@ class JobListApi(APIView):
         now = db_now()
 
         def create() -> Answer:
-            spec = JobSpecSerializer(data=request.data)
-            spec.is_valid(raise_exception=True)
-            job = job_create(owner=request.user, spec=dict(spec.validated_data), now=now)
+            spec, first = job_spec_check(request.data, now=now)
+            job = job_create(owner=request.user, spec=spec, now=now, first_fire=first)
             return Answer(status.HTTP_201_CREATED, JobOutput(job).data)
 
         return _answer(request, scope=CREATE_SCOPE, produce=create, now=now)
@@ -327,26 +327,17 @@ class BulkOutput(serializers.Serializer):
 class BulkErrors(serializers.Serializer):
     detail = serializers.CharField()
     errors = serializers.ListField(
+        required=False,
         child=serializers.DictField(allow_null=True),
         help_text="Aligned with the request's items: null for a valid item, else its "
-        "errors by field, as POST /jobs/ would answer them.",
+        "errors by field, as POST /jobs/ would answer them. Absent when the body as a whole "
+        "is refused (not an array, too many items).",
     )
 
 
 def _bulk_items(data, *, now: dt.datetime) -> tuple[list, list, list, list]:
     """(specs, first fires, keys, errors), each aligned with the items; validation without
     the database."""
-    if not isinstance(data, list):
-        raise serializers.ValidationError(
-            {"non_field_errors": ["Must be a JSON array of job bodies."]}
-        )
-    if len(data) > BULK_MAX_JOBS:
-        raise serializers.ValidationError(
-            {"non_field_errors": [f"At most {BULK_MAX_JOBS} jobs per request, not {len(data)}."]}
-        )
-    # One instance for every item, as ListSerializer does (a serializer's construction
-    # copies its fields); it computes each job's first fire at `now` once, for the service.
-    checker = JobSpecSerializer(context={"now": now})
     specs, firsts, keys, errors, seen = [], [], [], [], {}
     for index, item in enumerate(data):
         spec = key = error = first = None
@@ -365,10 +356,9 @@ def _bulk_items(data, *, now: dt.datetime) -> tuple[list, list, list, list]:
                 else:
                     seen[key] = index
             try:
-                spec = dict(checker.run_validation(body))
-                first = checker.context.pop("first_fire")
+                spec, first = job_spec_check(body, now=now)
             except serializers.ValidationError as exc:
-                error = {**serializers.as_serializer_error(exc), **(error or {})}
+                error = {**exc.detail, **(error or {})}
             if error:
                 spec = None
         specs.append(spec)
@@ -403,6 +393,12 @@ class JobBulkApi(APIView):
         ],
     )
     def post(self, request):
+        if not isinstance(request.data, list):
+            return _bulk_problem("Must be a JSON array of job bodies.")
+        if len(request.data) > BULK_MAX_JOBS:
+            return _bulk_problem(
+                f"At most {BULK_MAX_JOBS} jobs per request, not {len(request.data)}."
+            )
         now = db_now()
         specs, firsts, keys, errors = _bulk_items(request.data, now=now)
         digests = {
@@ -445,6 +441,10 @@ class JobBulkApi(APIView):
             {"jobs": answers, "replayed": [key in earlier for key in keys]},
             status=status.HTTP_201_CREATED,
         )
+
+
+def _bulk_problem(detail: str) -> Response:
+    return Response({"detail": detail}, status=status.HTTP_400_BAD_REQUEST)
 
 
 def _bulk_refusal(errors: list, keys: list, earlier: dict) -> Response:

@@ -35,9 +35,12 @@ from .transitions import (
 SCHEDULE_FIELDS = ("schedule", "dst", "start_at", "end_at")
 
 
-def job_create(*, owner: AbstractBaseUser, spec: dict, now: dt.datetime) -> Job:
-    """Create a job, its first version and its audit event; `spec` is already validated."""
-    first = job_first_fire(spec=spec, now=now)
+def job_create(
+    *, owner: AbstractBaseUser, spec: dict, now: dt.datetime, first_fire: dt.datetime | None = None
+) -> Job:
+    """Create a job, its first version and its audit event; `spec` is already validated
+    (`first_fire`, when given, is its `job_first_fire` at `now`, which validation computed)."""
+    first = first_fire or job_first_fire(spec=spec, now=now)
     # No savepoint when nested (an idempotency key's transaction): an error fails it whole.
     with transaction.atomic(savepoint=False):
         job = Job.objects.create(

@@ -4,6 +4,7 @@ the items, per-item idempotency keys shared with POST /jobs/'s Idempotency-Key."
 from __future__ import annotations
 
 import datetime as dt
+import json
 
 import pytest
 from django.db import connection, transaction
@@ -194,3 +195,15 @@ def test_the_schema_describes_the_bulk_endpoint():
     assert set(operation["responses"]) >= {"201", "400", "409"}
     body = operation["requestBody"]["content"]["application/json"]["schema"]
     assert body["type"] == "array"
+
+
+@pytest.mark.django_db
+def test_post_jobs_errors_are_the_serializers_own(api):
+    """POST /jobs/ validates with a reused serializer: the answers are is_valid's."""
+    from jobs.validation import JobSpecSerializer
+
+    for body in (None, [], "x", {}, job_body(schedule={"kind": "cron"}), job_body(x=1)):
+        response = api.post("/api/v1/jobs/", json.dumps(body), content_type="application/json")
+        serializer = JobSpecSerializer(data=body)
+        assert not serializer.is_valid()
+        assert (response.status_code, response.json()) == (400, serializer.errors), body
