@@ -97,6 +97,8 @@ def _database(url: str) -> dict:
             "options": "-c idle_in_transaction_session_timeout=600000",
             **config.get("OPTIONS", {}),
         }
+        if env.SCHEDULER_DB_APPLICATION_NAME:
+            config["OPTIONS"]["application_name"] = env.SCHEDULER_DB_APPLICATION_NAME
     return config
 
 

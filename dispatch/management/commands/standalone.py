@@ -127,7 +127,9 @@ class Supervisor:
         self.stopping = False
 
     def _start(self, name: str) -> None:
-        self.children[name] = subprocess.Popen(self.commands[name], env=self.env)
+        # Each child's database connections carry its name (pg_stat_activity.application_name).
+        env = {**self.env, "SCHEDULER_DB_APPLICATION_NAME": f"scheduler-{name}"}
+        self.children[name] = subprocess.Popen(self.commands[name], env=env)
 
     def _on_signal(self, signum, frame) -> None:
         self.stopping = True
