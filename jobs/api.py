@@ -114,7 +114,11 @@ class JobOutput(JobSpecSerializer):
     updated_at = serializers.DateTimeField(read_only=True)
 
     def to_representation(self, job):
-        return {**job.spec, **JobServerFields(job).data}
+        # One JobServerFields for every job of a list: building one copies its fields.
+        server = getattr(self, "_server_fields", None)
+        if server is None:
+            server = self._server_fields = JobServerFields()
+        return {**job.spec, **server.to_representation(job)}
 
 
 class AttemptOutput(serializers.Serializer):

@@ -110,33 +110,34 @@ def idempotency_claim(
     raise IdempotencyConflict(f"Idempotency-Key '{pending[0]}' is being used concurrently.")
 
 
+def _json_rows(columns: dict[str, str]) -> str:
+    """A FROM item whose rows are the objects of one JSON array parameter (`columns`: name
+    -> PostgreSQL type): the statement's size and parsing stay the same for any number of
+    rows, where VALUES had a placeholder per value."""
+    if connection.vendor == "postgresql":
+        names = ", ".join(f"{name} {kind}" for name, kind in columns.items())
+        return f"jsonb_to_recordset(%s::jsonb) AS v({names})"
+    values = ", ".join(f"json_extract(value, '$.{name}') AS {name}" for name in columns)
+    return f"(SELECT {values} FROM json_each(%s)) AS v"
+
+
 def _insert_ignoring_held(
     *, owner, scope: str, digests: dict[str, str], keys: list[str], now: dt.datetime
 ) -> set[str]:
     """INSERT ... ON CONFLICT DO NOTHING RETURNING key (PostgreSQL, and SQLite 3.35+): no
-    savepoint, and one round trip for any number of keys."""
-    table = connection.ops.quote_name(IdempotencyRecord._meta.db_table)
-    columns = ", ".join(
-        connection.ops.quote_name(column)
-        for column in (
-            "owner_id",
-            "scope",
-            "key",
-            "request_hash",
-            "response_status",
-            "response_body",
-            "created_at",
-        )  # fmt: skip
-    )
+    savepoint, and one round trip for any number of keys, inserted in the order given."""
+    quote = connection.ops.quote_name
+    table = quote(IdempotencyRecord._meta.db_table)
+    columns = ("owner_id", "scope", "key", "request_hash", "response_status", "response_body",
+               "created_at")  # fmt: skip
+    rows = json.dumps([{"k": key, "h": digests[key]} for key in keys])
     at = connection.ops.adapt_datetimefield_value(now)
-    rows = ", ".join(["(%s, %s, %s, %s, 0, '{}', %s)"] * len(keys))
-    params = [value for key in keys for value in (owner.pk, scope, key, digests[key], at)]
-    key_column = connection.ops.quote_name("key")
     with connection.cursor() as cursor:
         cursor.execute(
-            f"INSERT INTO {table} ({columns}) VALUES {rows} ON CONFLICT DO NOTHING "
-            f"RETURNING {key_column}",
-            params,
+            f"INSERT INTO {table} ({', '.join(map(quote, columns))}) "
+            f"SELECT %s, %s, v.k, v.h, 0, '{{}}', %s FROM {_json_rows({'k': 'text', 'h': 'text'})} "
+            f"WHERE true ON CONFLICT DO NOTHING RETURNING {quote('key')}",
+            [owner.pk, scope, at, rows],
         )
         return {row[0] for row in cursor.fetchall()}
 
@@ -149,16 +150,14 @@ def idempotency_store(
         return
     quote = connection.ops.quote_name
     table = quote(IdempotencyRecord._meta.db_table)
-    cast = "CAST(v.column2 AS jsonb)" if connection.vendor == "postgresql" else "v.column2"
-    rows = ", ".join(["(%s, %s)"] * len(bodies))
-    params = [value for key, body in bodies.items() for value in (key, json.dumps(body))]
+    rows = json.dumps([{"k": key, "body": body} for key, body in bodies.items()])
     with connection.cursor() as cursor:
         cursor.execute(
-            f"UPDATE {table} SET {quote('response_status')} = %s, "
-            f"{quote('response_body')} = {cast} FROM (VALUES {rows}) AS v "
+            f"UPDATE {table} SET {quote('response_status')} = %s, {quote('response_body')} = "
+            f"v.body FROM {_json_rows({'k': 'text', 'body': 'jsonb'})} "
             f"WHERE {table}.{quote('owner_id')} = %s AND {table}.{quote('scope')} = %s "
-            f"AND {table}.{quote('key')} = v.column1",
-            [status, *params, owner.pk, scope],
+            f"AND {table}.{quote('key')} = v.k",
+            [status, rows, owner.pk, scope],
         )
 
 

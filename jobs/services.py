@@ -12,10 +12,11 @@ from django.db.models import Max, Q
 from . import keys
 from .audit import audit_event, audit_record
 from .counters import counter_increment
-from .models import AttemptState, AuditEvent, Job, JobState, JobVersion, Run, RunKind, RunState
+from .models import AttemptState, Job, JobState, JobVersion, Run, RunKind, RunState
 from .notify import CHANNEL_SCHEDULE, notify
 from .outbox import outbox_discard_pending, outbox_enqueue_runs
 from .retry import retry_decision
+from .rows import rows_insert
 from .schedules import job_first_fire, job_next_fire, job_resume_point
 from .transitions import (
     ACTIVE_RUN_STATES,
@@ -75,15 +76,15 @@ def job_create_bulk(
         for spec, first in zip(specs, first_fires, strict=True)
     ]  # fmt: skip
     with transaction.atomic(savepoint=False):
-        Job.objects.bulk_create(jobs)
-        JobVersion.objects.bulk_create(
-            JobVersion(job=job, version=job.version, spec=job.spec, created_by=owner)
-            for job in jobs
-        )
-        AuditEvent.objects.bulk_create(
-            audit_event(action="job.created", actor=owner, job_id=job.id,
-                        data={"version": job.version, "bulk": True})
-            for job in jobs
+        rows_insert(jobs)
+        rows_insert(
+            [JobVersion(job=job, version=job.version, spec=job.spec, created_by=owner)
+             for job in jobs]
+        )  # fmt: skip
+        rows_insert(
+            [audit_event(action="job.created", actor=owner, job_id=job.id,
+                         data={"version": job.version, "bulk": True})
+             for job in jobs]
         )  # fmt: skip
         if jobs:
             notify(CHANNEL_SCHEDULE)

@@ -189,6 +189,10 @@ def refuse_read_only(data) -> None:
             )
 
 
+# What a job's first fire depends on, besides the instant it is created.
+FIRST_FIRE_FIELDS = ("schedule", "dst", "start_at", "end_at")
+
+
 class JobSpecSerializer(StrictSerializer):
     """Everything a user may set on a job. Server-managed fields are not here at all."""
 
@@ -279,8 +283,7 @@ class JobSpecSerializer(StrictSerializer):
         # Evaluate the schedule once now, so that one that cannot fire is refused here
         # rather than found by the scheduler.
         try:
-            now = self.context.get("now") or timezone.now()
-            first = schedules.job_first_fire(spec=attrs, now=now)
+            first = self._first_fire(attrs)
         except schedules.ScheduleError as exc:
             raise serializers.ValidationError({"schedule": [str(exc)]}) from exc
         if first is None:
@@ -291,6 +294,20 @@ class JobSpecSerializer(StrictSerializer):
         if "now" in self.context:  # the caller creates the job at that instant: reuse it
             self.context["first_fire"] = first
         return attrs
+
+    def _first_fire(self, attrs: dict) -> dt.datetime | None:
+        """The schedule's first fire at the context's `now` (else the clock's); with a
+        `now`, remembered per schedule in the context, since the many bodies of a bulk
+        request often share one."""
+        now = self.context.get("now")
+        if now is None:
+            return schedules.job_first_fire(spec=attrs, now=timezone.now())
+        memo = self.context.setdefault("first_fires", {})
+        key = json.dumps([now.isoformat(), *(attrs[f] for f in FIRST_FIRE_FIELDS)],
+                         sort_keys=True)  # fmt: skip
+        if key not in memo:
+            memo[key] = schedules.job_first_fire(spec=attrs, now=now)
+        return memo[key]
 
     @staticmethod
     def _check_jitter(attrs: dict, first: dt.datetime) -> None:
@@ -332,7 +349,9 @@ def job_spec_check(data, *, now: dt.datetime) -> tuple[dict, dt.datetime]:
     checker = getattr(_checkers, "job_spec", None)
     if checker is None:
         checker = _checkers.job_spec = JobSpecSerializer(context={})
-    checker.context["now"] = now
+    if checker.context.get("now") != now:
+        checker.context.clear()  # the remembered first fires were for another instant
+        checker.context["now"] = now
     if data is None:  # a JSON null: is_valid's own wording
         raise serializers.ValidationError({"non_field_errors": ["No data provided"]})
     try:

@@ -39,6 +39,15 @@ def test_creates_every_job_with_its_version_and_audit_event_in_order(api, user):
     assert AuditEvent.objects.filter(action="job.created").count() == 5
     first = body["jobs"][0]
     assert first["owner"] == user.get_username() and first["state"] == "active"
+    # What was stored is what was answered.
+    for job in body["jobs"]:
+        assert api.get(f"/api/v1/jobs/{job['id']}/").json() == job
+    version = JobVersion.objects.get(job_id=first["id"])
+    assert version.spec == Job.objects.get(id=first["id"]).spec and version.created_by == user
+    event = AuditEvent.objects.get(job_id=first["id"])
+    assert (event.actor, event.actor_label, event.data) == (
+        user, f"user:{user.get_username()}", {"version": 1, "bulk": True})  # fmt: skip
+    assert event.created_at is not None and version.created_at is not None
     assert first["next_run_at"].endswith("T09:00:00Z")
     # The same body as POST /jobs/ answers, defaults included.
     single = api.post("/api/v1/jobs/", items[0], format="json").json()
