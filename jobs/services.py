@@ -36,14 +36,10 @@ from .transitions import (
 SCHEDULE_FIELDS = ("schedule", "dst", "start_at", "end_at")
 
 
-def job_create(
-    *, owner: AbstractBaseUser, spec: dict, now: dt.datetime, first_fire: dt.datetime | None = None
-) -> Job:
-    """Create a job, its first version and its audit event; `spec` is already validated
-    (`first_fire`, when given, is its `job_first_fire` at `now`, which validation computed)."""
-    first = first_fire or job_first_fire(spec=spec, now=now)
-    # No savepoint when nested (an idempotency key's transaction): an error fails it whole.
-    with transaction.atomic(savepoint=False):
+def job_create(*, owner: AbstractBaseUser, spec: dict, now: dt.datetime) -> Job:
+    """Create a job, its first version and its audit event; `spec` is already validated."""
+    first = job_first_fire(spec=spec, now=now)
+    with transaction.atomic():
         job = Job.objects.create(
             owner=owner,
             name=spec["name"],
@@ -63,10 +59,16 @@ def job_create(
 
 
 def job_create_bulk(
-    *, owner: AbstractBaseUser, specs: list[dict], now: dt.datetime, first_fires=None
+    *,
+    owner: AbstractBaseUser,
+    specs: list[dict],
+    now: dt.datetime,
+    first_fires=None,
+    bulk: bool = True,
 ) -> list[Job]:
-    """Create many jobs, each with its first version and its audit event, in one transaction
-    of three bulk inserts (`POST /jobs/bulk/`); `specs` are already validated, and
+    """Create many jobs, each with its first version and its audit event, in one insert
+    statement on PostgreSQL (`POST /jobs/bulk/`, and `POST /jobs/` with one spec, `bulk`
+    False: then the rows are job_create's); `specs` are already validated, and
     `first_fires` (aligned with them), when given, are their `job_first_fire` at `now`."""
     if first_fires is None:
         first_fires = [job_first_fire(spec=spec, now=now) for spec in specs]
@@ -76,15 +78,13 @@ def job_create_bulk(
         for spec, first in zip(specs, first_fires, strict=True)
     ]  # fmt: skip
     with transaction.atomic(savepoint=False):
-        rows_insert(jobs)
         rows_insert(
+            jobs,
             [JobVersion(job=job, version=job.version, spec=job.spec, created_by=owner)
-             for job in jobs]
-        )  # fmt: skip
-        rows_insert(
+             for job in jobs],
             [audit_event(action="job.created", actor=owner, job_id=job.id,
-                         data={"version": job.version, "bulk": True})
-             for job in jobs]
+                         data={"version": job.version, **({"bulk": True} if bulk else {})})
+             for job in jobs],
         )  # fmt: skip
         if jobs:
             notify(CHANNEL_SCHEDULE)
