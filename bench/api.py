@@ -11,9 +11,11 @@ Creates a fresh PostgreSQL database (dropped afterwards), starts gunicorn on it 
 - `POST /api/v1/jobs/bulk/` of --bulk-size bodies, --bulk-requests in all from
   --bulk-clients processes, each item with an idempotency_key unless --no-keys.
 
-Prints jobs/s created, every answer that was not 201 (a 500 would be a bug), and the most
-database connections open at once (pg_stat_activity), which the web tier must keep bounded
-(docs/connections.md). --json writes the figures too.
+Prints jobs/s created, the CPU time the web workers and the database's backends spent per
+job (less disturbed by the machine's other load than jobs/s: on an idle box, jobs/s is
+about cores / the CPU per job, the clients' included), every answer that was not 201 (a
+500 would be a bug), and the most database connections open at once (pg_stat_activity),
+which the web tier must keep bounded (docs/connections.md). --json writes the figures too.
 """
 
 from __future__ import annotations
@@ -92,6 +94,52 @@ def _bulk_client(port: int, token: str, requests: int, size: int, keys: bool):
     return statuses
 
 
+def _cpu_seconds(pids) -> dict[int, float]:
+    """user + system CPU seconds of each live process (Linux /proc)."""
+    ticks, seconds = os.sysconf("SC_CLK_TCK"), {}
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        seconds[pid] = (int(fields[11]) + int(fields[12])) / ticks
+    return seconds
+
+
+class CpuMeter:
+    """CPU seconds spent by the web workers and by the database's backends for this
+    database: a figure the machine's other load disturbs much less than jobs/s."""
+
+    def __init__(self, server_pid: int, database: str) -> None:
+        self.server_pid, self.database = server_pid, database
+        self.start = self._read()
+
+    def _pids(self) -> tuple[list[int], list[int]]:
+        from django.db import connection
+
+        children = Path(f"/proc/{self.server_pid}/task/{self.server_pid}/children")
+        web = [self.server_pid, *map(int, children.read_text().split())]
+        with connection.cursor() as cursor:
+            cursor.execute(
+                "SELECT pid FROM pg_stat_activity WHERE datname = %s AND pid <> pg_backend_pid()",
+                [self.database],
+            )
+            database = [row[0] for row in cursor.fetchall()]
+        return web, database
+
+    def _read(self) -> tuple[dict, dict]:
+        web, database = self._pids()
+        return _cpu_seconds(web), _cpu_seconds(database)
+
+    def spent(self) -> tuple[float, float]:
+        """(web, database) CPU seconds since the meter started."""
+        now = self._read()
+        return tuple(
+            sum(seconds - before.get(pid, 0.0) for pid, seconds in after.items())
+            for before, after in zip(self.start, now, strict=True)
+        )
+
+
 class ConnectionWatch(threading.Thread):
     """The most connections to the benchmark's database seen at once, sampled every 50 ms."""
 
@@ -168,6 +216,7 @@ def run(args, env: dict, workdir: Path) -> dict:
         before = Job.objects.count()
         watch = ConnectionWatch(database)
         watch.start()
+        meter = CpuMeter(server.pid, database)
         start_at = time.time() + 1.0
         with context.Pool(args.clients) as pool:
             results = pool.starmap(
@@ -175,6 +224,7 @@ def run(args, env: dict, workdir: Path) -> dict:
                 [(port, tokens[i], args.seconds, args.keys, start_at) for i in range(args.clients)],
             )
         elapsed = time.time() - start_at
+        web_cpu, database_cpu = meter.spent()
         statuses = sum(results, Counter())
         created = Job.objects.count() - before
         figures["single"] = {
@@ -182,16 +232,23 @@ def run(args, env: dict, workdir: Path) -> dict:
             "seconds": round(elapsed, 2),
             "jobs_created": created,
             "jobs_per_second": round(created / elapsed, 1),
+            "web_cpu_ms_per_job": round(1000 * web_cpu / max(created, 1), 3),
+            "database_cpu_ms_per_job": round(1000 * database_cpu / max(created, 1), 3),
             "statuses": {str(k): v for k, v in sorted(statuses.items())},
             "most_db_connections": watch.stop(),
         }
-        print(f"POST /jobs/: {created / elapsed:.0f} jobs/s ({args.clients} clients)")
+        print(
+            f"POST /jobs/: {created / elapsed:.0f} jobs/s ({args.clients} clients); CPU per "
+            f"job: web {figures['single']['web_cpu_ms_per_job']:.2f} ms, database "
+            f"{figures['single']['database_cpu_ms_per_job']:.2f} ms"
+        )
 
         before = Job.objects.count()
         watch = ConnectionWatch(database)
         watch.start()
         share = [args.bulk_requests // args.bulk_clients] * args.bulk_clients
         share[0] += args.bulk_requests - sum(share)
+        meter = CpuMeter(server.pid, database)
         started = time.time()
         with context.Pool(args.bulk_clients) as pool:
             results = pool.starmap(
@@ -199,6 +256,7 @@ def run(args, env: dict, workdir: Path) -> dict:
                 [(port, tokens[i], n, args.bulk_size, args.keys) for i, n in enumerate(share)],
             )
         elapsed = time.time() - started
+        web_cpu, database_cpu = meter.spent()
         statuses = sum(results, Counter())
         created = Job.objects.count() - before
         figures["bulk"] = {
@@ -208,10 +266,16 @@ def run(args, env: dict, workdir: Path) -> dict:
             "seconds": round(elapsed, 2),
             "jobs_created": created,
             "jobs_per_second": round(created / elapsed, 1),
+            "web_cpu_ms_per_job": round(1000 * web_cpu / max(created, 1), 3),
+            "database_cpu_ms_per_job": round(1000 * database_cpu / max(created, 1), 3),
             "statuses": {str(k): v for k, v in sorted(statuses.items())},
             "most_db_connections": watch.stop(),
         }
-        print(f"POST /jobs/bulk/: {created / elapsed:.0f} jobs/s ({args.bulk_clients} clients)")
+        print(
+            f"POST /jobs/bulk/: {created / elapsed:.0f} jobs/s ({args.bulk_clients} clients); "
+            f"CPU per job: web {figures['bulk']['web_cpu_ms_per_job']:.3f} ms, database "
+            f"{figures['bulk']['database_cpu_ms_per_job']:.3f} ms"
+        )
     finally:
         server.terminate()
         server.wait(timeout=60)
