@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime as dt
 
+from django.db import transaction
 from django.http import Http404
 from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import (
@@ -20,17 +21,21 @@ from rest_framework.views import APIView
 from . import schedules
 from .clock import db_now
 from .idempotency import (
+    MAX_KEY_LENGTH,
     Answer,
     IdempotencyConflict,
+    idempotency_claim,
     idempotency_key_problem,
+    idempotency_store,
     idempotent_answer,
+    request_hash,
 )
 from .models import JobState, RunKind, RunState
 from .selectors import job_get, job_history, job_list, run_get, run_history, run_list
 from .services import (
     job_backfill,
     job_cancel,
-    job_create,
+    job_create_bulk,
     job_delete,
     job_is_editable,
     job_pause,
@@ -46,6 +51,7 @@ from .validation import (
     JobSpecSerializer,
     PreviewSerializer,
     job_patched_spec,
+    job_spec_check,
 )
 
 
@@ -107,7 +113,11 @@ class JobOutput(JobSpecSerializer):
     updated_at = serializers.DateTimeField(read_only=True)
 
     def to_representation(self, job):
-        return {**job.spec, **JobServerFields(job).data}
+        # One JobServerFields for every job of a list: building one copies its fields.
+        server = getattr(self, "_server_fields", None)
+        if server is None:
+            server = self._server_fields = JobServerFields()
+        return {**job.spec, **server.to_representation(job)}
 
 
 class AttemptOutput(serializers.Serializer):
@@ -221,15 +231,16 @@ def _idempotency_key(request) -> str | None:
     return key
 
 
-def _answer(request, *, scope: str, produce) -> Response:
+def _answer(request, *, scope: str, produce, now: dt.datetime | None = None) -> Response:
     """Run `produce` once per Idempotency-Key (if the request has one)."""
+    key = _idempotency_key(request)
     try:
         answer = idempotent_answer(
             owner=request.user,
             scope=scope,
-            key=_idempotency_key(request),
+            key=key,
             body=request.data,
-            now=db_now(),
+            now=now if now is not None or key is None else db_now(),
             produce=produce,
         )
     except IdempotencyConflict as exc:
@@ -281,13 +292,179 @@ class JobListApi(APIView):
         ],
     )
     def post(self, request):
+        now = db_now()
+
         def create() -> Answer:
-            spec = JobSpecSerializer(data=request.data)
-            spec.is_valid(raise_exception=True)
-            job = job_create(owner=request.user, spec=dict(spec.validated_data), now=db_now())
+            spec, first = job_spec_check(request.data, now=now)
+            # job_create's rows, written in one statement rather than three.
+            [job] = job_create_bulk(
+                owner=request.user, specs=[spec], first_fires=[first], now=now, bulk=False
+            )
             return Answer(status.HTTP_201_CREATED, JobOutput(job).data)
 
-        return _answer(request, scope="jobs.create", produce=create)
+        return _answer(request, scope=CREATE_SCOPE, produce=create, now=now)
+
+
+# A bulk item's `idempotency_key` is the Idempotency-Key of a POST /jobs/ of its body: the
+# same records, so either endpoint replays what the other created.
+CREATE_SCOPE = "jobs.create"
+BULK_MAX_JOBS = 1000
+
+
+class BulkItemSerializer(JobSpecSerializer):
+    """A job body with an optional `idempotency_key` (for the schema; see JobBulkApi)."""
+
+    idempotency_key = serializers.CharField(
+        required=False,
+        max_length=MAX_KEY_LENGTH,
+        help_text="As the Idempotency-Key header of POST /jobs/, for this item.",
+    )
+
+
+class BulkOutput(serializers.Serializer):
+    jobs = JobOutput(many=True, help_text="Aligned with the request's items.")
+    replayed = serializers.ListField(
+        child=serializers.BooleanField(),
+        help_text="Per item: true when its idempotency_key answered with the job it created "
+        "earlier.",
+    )
+
+
+class BulkErrors(serializers.Serializer):
+    detail = serializers.CharField()
+    errors = serializers.ListField(
+        required=False,
+        child=serializers.DictField(allow_null=True),
+        help_text="Aligned with the request's items: null for a valid item, else its "
+        "errors by field, as POST /jobs/ would answer them. Absent when the body as a whole "
+        "is refused (not an array, too many items).",
+    )
+
+
+def _bulk_items(data, *, now: dt.datetime) -> tuple[list, list, list, list]:
+    """(specs, first fires, keys, errors), each aligned with the items; validation without
+    the database."""
+    specs, firsts, keys, errors, seen = [], [], [], [], {}
+    for index, item in enumerate(data):
+        spec = key = error = first = None
+        if not isinstance(item, dict):
+            error = {"non_field_errors": ["Must be a JSON object (a job body)."]}
+        else:
+            body = dict(item)
+            key = body.pop("idempotency_key", None)
+            if key is not None:
+                text = isinstance(key, str)
+                problem = idempotency_key_problem(key) if text else "Must be a string."
+                if problem is None and key in seen:
+                    problem = f"Item {seen[key]} of this request has the same key."
+                if problem:
+                    error, key = {"idempotency_key": [problem]}, None
+                else:
+                    seen[key] = index
+            try:
+                spec, first = job_spec_check(body, now=now)
+            except serializers.ValidationError as exc:
+                error = {**exc.detail, **(error or {})}
+            if error:
+                spec = None
+        specs.append(spec)
+        firsts.append(first)
+        keys.append(key)
+        errors.append(error)
+    return specs, firsts, keys, errors
+
+
+class JobBulkApi(APIView):
+    @extend_schema(
+        request=BulkItemSerializer(many=True),
+        responses={201: BulkOutput, 400: BulkErrors, 409: BulkErrors},
+        examples=[
+            OpenApiExample(
+                "Two jobs, one with a key",
+                request_only=True,
+                value=[
+                    {
+                        "name": "report 1",
+                        "task": "scheduler.echo",
+                        "schedule": {"kind": "cron", "expression": "0 9 * * *"},
+                        "idempotency_key": "report-1",
+                    },
+                    {
+                        "name": "once",
+                        "task": "scheduler.echo",
+                        "schedule": {"kind": "once", "run_at": "2030-01-01T00:00:00Z"},
+                    },
+                ],
+            )
+        ],
+    )
+    def post(self, request):
+        if not isinstance(request.data, list):
+            return _bulk_problem("Must be a JSON array of job bodies.")
+        if len(request.data) > BULK_MAX_JOBS:
+            return _bulk_problem(
+                f"At most {BULK_MAX_JOBS} jobs per request, not {len(request.data)}."
+            )
+        now = db_now()
+        specs, firsts, keys, errors = _bulk_items(request.data, now=now)
+        digests = {
+            key: request_hash({k: v for k, v in item.items() if k != "idempotency_key"})
+            for key, item in zip(keys, request.data, strict=True)
+            if key is not None
+        }
+        with transaction.atomic():
+            earlier = idempotency_claim(
+                owner=request.user, scope=CREATE_SCOPE, digests=digests, now=now
+            )
+            for index, key in enumerate(keys):
+                if key in earlier:
+                    if earlier[key].request_hash == digests[key]:
+                        errors[index] = None  # replayed: its body is the one already accepted
+                    else:
+                        errors[index] = {"idempotency_key": [
+                            f"'{key}' was already used with another request body."]}  # fmt: skip
+            if any(errors):
+                transaction.set_rollback(True)
+                return _bulk_refusal(errors, keys, earlier)
+            fresh = [index for index, key in enumerate(keys) if key not in earlier]
+            jobs = job_create_bulk(
+                owner=request.user,
+                specs=[specs[index] for index in fresh],
+                first_fires=[firsts[index] for index in fresh],
+                now=now,
+            )
+            bodies = JobOutput(jobs, many=True).data
+            answers = [earlier[key].response_body if key in earlier else None for key in keys]
+            for index, body in zip(fresh, bodies, strict=True):
+                answers[index] = body
+            idempotency_store(
+                owner=request.user,
+                scope=CREATE_SCOPE,
+                status=status.HTTP_201_CREATED,
+                bodies={keys[index]: answers[index] for index in fresh if keys[index]},
+            )
+        return Response(
+            {"jobs": answers, "replayed": [key in earlier for key in keys]},
+            status=status.HTTP_201_CREATED,
+        )
+
+
+def _bulk_problem(detail: str) -> Response:
+    return Response({"detail": detail}, status=status.HTTP_400_BAD_REQUEST)
+
+
+def _bulk_refusal(errors: list, keys: list, earlier: dict) -> Response:
+    """400 naming each bad item; 409 when the only problems are keys used with other bodies."""
+    bad = [index for index, error in enumerate(errors) if error]
+    conflicts = all(keys[index] in earlier and set(errors[index]) == {"idempotency_key"}
+                    for index in bad)  # fmt: skip
+    return Response(
+        {
+            "detail": f"{len(bad)} of {len(errors)} jobs refused; none was created.",
+            "errors": errors,
+        },
+        status=status.HTTP_409_CONFLICT if conflicts else status.HTTP_400_BAD_REQUEST,
+    )
 
 
 def _version_header(header: str | None) -> int | None:

@@ -1,8 +1,9 @@
 """Idempotency keys: the same request sent twice with one key has one effect and one answer.
 
-The record is inserted first, in the transaction of the operation it guards: a concurrent
-duplicate blocks on `idempotency_key_unique` until the first commits, then reads its
-answer (or, if the first rolled back, becomes the first itself). Only successful answers
+The record is inserted first (`INSERT ... ON CONFLICT DO NOTHING`), in the transaction of
+the operation it guards: a concurrent duplicate blocks on `idempotency_key_unique` until
+the first commits, then reads its answer (or, if the first rolled back, becomes the first
+itself). `POST /jobs/bulk/` takes all its items' keys in one such statement. Only successful answers
 are kept: an error writes nothing, so the client may fix its body and retry with the key.
 """
 
@@ -15,7 +16,7 @@ import json
 from collections.abc import Callable
 
 from django.contrib.auth.models import AbstractBaseUser
-from django.db import IntegrityError, transaction
+from django.db import connection, transaction
 
 from .models import IdempotencyRecord
 
@@ -60,25 +61,16 @@ def idempotent_answer(
         return produce()
     digest = request_hash(body)
     with transaction.atomic():
-        record = IdempotencyRecord(
-            owner=owner,
-            scope=scope,
-            key=key,
-            request_hash=digest,
-            response_status=0,
-            response_body={},
-            created_at=now,
-        )
-        earlier = _insert_or_earlier(record, now=now)
-        if earlier is not None:
-            if earlier.request_hash != digest:
+        earlier = idempotency_claim(owner=owner, scope=scope, digests={key: digest}, now=now)
+        if key in earlier:
+            if earlier[key].request_hash != digest:
                 raise IdempotencyConflict(
                     f"Idempotency-Key '{key}' was already used with another request body."
                 )
-            return Answer(earlier.response_status, earlier.response_body, replayed=True)
+            return Answer(earlier[key].response_status, earlier[key].response_body, replayed=True)
         answer = produce()
         if 200 <= answer.status < 300:
-            IdempotencyRecord.objects.filter(id=record.id).update(
+            IdempotencyRecord.objects.filter(owner=owner, scope=scope, key=key).update(
                 response_status=answer.status, response_body=answer.body
             )
         else:
@@ -86,23 +78,87 @@ def idempotent_answer(
         return answer
 
 
-def _insert_or_earlier(record: IdempotencyRecord, *, now: dt.datetime):
-    """Insert `record` and return None, or return the live record that holds its key."""
-    for _ in range(2):  # a second try only after removing an expired holder
-        try:
-            with transaction.atomic():
-                record.save(force_insert=True)
-            return None
-        except IntegrityError:
-            earlier = IdempotencyRecord.objects.filter(
-                owner=record.owner, scope=record.scope, key=record.key
-            ).first()
-            if earlier is None:
-                continue  # pruned meanwhile
-            if earlier.created_at >= now - IDEMPOTENCY_RETENTION:
-                return earlier
-            IdempotencyRecord.objects.filter(id=earlier.id).delete()
-    raise IdempotencyConflict(f"Idempotency-Key '{record.key}' is being used concurrently.")
+def idempotency_claim(
+    *, owner: AbstractBaseUser, scope: str, digests: dict[str, str], now: dt.datetime
+) -> dict[str, IdempotencyRecord]:
+    """Insert a pending record for each key (`digests`: key -> request hash) inside the
+    caller's transaction, one statement for all; returns the live earlier record of every
+    key that another request holds. A key held by a transaction still open waits for it
+    (`ON CONFLICT` on `idempotency_key_unique`); an expired holder is deleted and the key
+    taken. Keys are inserted in sorted order, so two requests sharing keys cannot deadlock.
+    The caller fills the records it got with `idempotency_store`."""
+    pending, earlier = sorted(digests), {}
+    if not pending:
+        return earlier
+    for _ in range(2):  # a second try only after removing expired holders
+        taken = _insert_ignoring_held(owner=owner, scope=scope, digests=digests, keys=pending,
+                                      now=now)  # fmt: skip
+        held = [key for key in pending if key not in taken]
+        if not held:
+            return earlier
+        expired = []
+        for record in IdempotencyRecord.objects.filter(owner=owner, scope=scope, key__in=held):
+            if record.created_at >= now - IDEMPOTENCY_RETENTION:
+                earlier[record.key] = record
+            else:
+                expired.append(record.id)
+        IdempotencyRecord.objects.filter(id__in=expired).delete()
+        # Expired ones, and any pruned between the insert and the select, are tried again.
+        pending = [key for key in held if key not in earlier]
+        if not pending:
+            return earlier
+    raise IdempotencyConflict(f"Idempotency-Key '{pending[0]}' is being used concurrently.")
+
+
+def _json_rows(columns: dict[str, str]) -> str:
+    """A FROM item whose rows are the objects of one JSON array parameter (`columns`: name
+    -> PostgreSQL type): the statement's size and parsing stay the same for any number of
+    rows, where VALUES had a placeholder per value."""
+    if connection.vendor == "postgresql":
+        names = ", ".join(f"{name} {kind}" for name, kind in columns.items())
+        return f"jsonb_to_recordset(%s::jsonb) AS v({names})"
+    values = ", ".join(f"json_extract(value, '$.{name}') AS {name}" for name in columns)
+    return f"(SELECT {values} FROM json_each(%s)) AS v"
+
+
+def _insert_ignoring_held(
+    *, owner, scope: str, digests: dict[str, str], keys: list[str], now: dt.datetime
+) -> set[str]:
+    """INSERT ... ON CONFLICT DO NOTHING RETURNING key (PostgreSQL, and SQLite 3.35+): no
+    savepoint, and one round trip for any number of keys, inserted in the order given."""
+    quote = connection.ops.quote_name
+    table = quote(IdempotencyRecord._meta.db_table)
+    columns = ("owner_id", "scope", "key", "request_hash", "response_status", "response_body",
+               "created_at")  # fmt: skip
+    rows = json.dumps([{"k": key, "h": digests[key]} for key in keys])
+    at = connection.ops.adapt_datetimefield_value(now)
+    with connection.cursor() as cursor:
+        cursor.execute(
+            f"INSERT INTO {table} ({', '.join(map(quote, columns))}) "
+            f"SELECT %s, %s, v.k, v.h, 0, '{{}}', %s FROM {_json_rows({'k': 'text', 'h': 'text'})} "
+            f"WHERE true ON CONFLICT DO NOTHING RETURNING {quote('key')}",
+            [owner.pk, scope, at, rows],
+        )
+        return {row[0] for row in cursor.fetchall()}
+
+
+def idempotency_store(
+    *, owner: AbstractBaseUser, scope: str, status: int, bodies: dict[str, dict | list]
+) -> None:
+    """Fill the records `idempotency_claim` took with their answers, one statement."""
+    if not bodies:
+        return
+    quote = connection.ops.quote_name
+    table = quote(IdempotencyRecord._meta.db_table)
+    rows = json.dumps([{"k": key, "body": body} for key, body in bodies.items()])
+    with connection.cursor() as cursor:
+        cursor.execute(
+            f"UPDATE {table} SET {quote('response_status')} = %s, {quote('response_body')} = "
+            f"v.body FROM {_json_rows({'k': 'text', 'body': 'jsonb'})} "
+            f"WHERE {table}.{quote('owner_id')} = %s AND {table}.{quote('scope')} = %s "
+            f"AND {table}.{quote('key')} = v.k",
+            [status, rows, owner.pk, scope],
+        )
 
 
 def idempotency_prune(*, now: dt.datetime, limit: int = 1000) -> int:

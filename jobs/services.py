@@ -11,12 +11,13 @@ from django.db.models import F, Max, Q, Window
 from django.db.models.functions import RowNumber
 
 from . import keys
-from .audit import audit_record
+from .audit import audit_event, audit_record
 from .counters import counter_increment
 from .models import AttemptState, Job, JobState, JobVersion, Run, RunKind, RunState
 from .notify import CHANNEL_SCHEDULE, notify
 from .outbox import outbox_discard_pending, outbox_enqueue_runs
 from .retry import retry_decision
+from .rows import rows_insert
 from .schedules import job_first_fire, job_next_fire, job_resume_point
 from .transitions import (
     ACTIVE_RUN_STATES,
@@ -58,6 +59,39 @@ def job_create(*, owner: AbstractBaseUser, spec: dict, now: dt.datetime) -> Job:
         if first is not None:
             notify(CHANNEL_SCHEDULE)  # the schedulers may sleep past its first fire
     return job
+
+
+def job_create_bulk(
+    *,
+    owner: AbstractBaseUser,
+    specs: list[dict],
+    now: dt.datetime,
+    first_fires=None,
+    bulk: bool = True,
+) -> list[Job]:
+    """Create many jobs, each with its first version and its audit event, in one insert
+    statement on PostgreSQL (`POST /jobs/bulk/`, and `POST /jobs/` with one spec, `bulk`
+    False: then the rows are job_create's); `specs` are already validated, and
+    `first_fires` (aligned with them), when given, are their `job_first_fire` at `now`."""
+    if first_fires is None:
+        first_fires = [job_first_fire(spec=spec, now=now) for spec in specs]
+    jobs = [
+        Job(owner=owner, name=spec["name"], task=spec["task"], spec=spec, queue=spec["queue"],
+            priority=spec["priority"], labels=spec["labels"], next_run_at=first, created_at=now)
+        for spec, first in zip(specs, first_fires, strict=True)
+    ]  # fmt: skip
+    with transaction.atomic(savepoint=False):
+        rows_insert(
+            jobs,
+            [JobVersion(job=job, version=job.version, spec=job.spec, created_by=owner)
+             for job in jobs],
+            [audit_event(action="job.created", actor=owner, job_id=job.id,
+                         data={"version": job.version, **({"bulk": True} if bulk else {})})
+             for job in jobs],
+        )  # fmt: skip
+        if jobs:
+            notify(CHANNEL_SCHEDULE)
+    return jobs
 
 
 def run_record_duplicate_delivery(*, run_id, worker: str, message_id: str) -> None:

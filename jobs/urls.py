@@ -4,6 +4,7 @@ from . import api
 
 urlpatterns = [
     path("jobs/", api.JobListApi.as_view(), name="job-list"),
+    path("jobs/bulk/", api.JobBulkApi.as_view(), name="job-bulk"),
     path("jobs/<uuid:job_id>/", api.JobDetailApi.as_view(), name="job-detail"),
     path("jobs/<uuid:job_id>/runs/", api.JobRunListApi.as_view(), name="job-runs"),
     path("jobs/<uuid:job_id>/history/", api.JobHistoryApi.as_view(), name="job-history"),

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import datetime as dt
+import functools
 import json
 import re
+import threading
 
 from django.conf import settings
 from django.utils import timezone
@@ -187,6 +189,10 @@ def refuse_read_only(data) -> None:
             )
 
 
+# What a job's first fire depends on, besides the instant it is created.
+FIRST_FIRE_FIELDS = ("schedule", "dst", "start_at", "end_at")
+
+
 class JobSpecSerializer(StrictSerializer):
     """Everything a user may set on a job. Server-managed fields are not here at all."""
 
@@ -247,7 +253,7 @@ class JobSpecSerializer(StrictSerializer):
         # An omitted policy is stored whole, with its defaults, in the job's version.
         for field, serializer in self.NESTED_DEFAULTS.items():
             if not attrs[field]:
-                attrs[field] = dict(serializer().run_validation({}))
+                attrs[field] = dict(_defaults_of(serializer))
         limit = settings.SCHEDULER_MAX_PAYLOAD_BYTES
         for field in ("args", "kwargs"):
             problem = json_problem(attrs[field])
@@ -277,7 +283,7 @@ class JobSpecSerializer(StrictSerializer):
         # Evaluate the schedule once now, so that one that cannot fire is refused here
         # rather than found by the scheduler.
         try:
-            first = schedules.job_first_fire(spec=attrs, now=timezone.now())
+            first = self._first_fire(attrs)
         except schedules.ScheduleError as exc:
             raise serializers.ValidationError({"schedule": [str(exc)]}) from exc
         if first is None:
@@ -285,7 +291,23 @@ class JobSpecSerializer(StrictSerializer):
                 {"end_at": ["The schedule has no occurrence before end_at."]}
             )
         self._check_jitter(attrs, first)
+        if "now" in self.context:  # the caller creates the job at that instant: reuse it
+            self.context["first_fire"] = first
         return attrs
+
+    def _first_fire(self, attrs: dict) -> dt.datetime | None:
+        """The schedule's first fire at the context's `now` (else the clock's); with a
+        `now`, remembered per schedule in the context, since the many bodies of a bulk
+        request often share one."""
+        now = self.context.get("now")
+        if now is None:
+            return schedules.job_first_fire(spec=attrs, now=timezone.now())
+        memo = self.context.setdefault("first_fires", {})
+        key = json.dumps([now.isoformat(), *(attrs[f] for f in FIRST_FIRE_FIELDS)],
+                         sort_keys=True)  # fmt: skip
+        if key not in memo:
+            memo[key] = schedules.job_first_fire(spec=attrs, now=now)
+        return memo[key]
 
     @staticmethod
     def _check_jitter(attrs: dict, first: dt.datetime) -> None:
@@ -314,6 +336,36 @@ class JobSpecSerializer(StrictSerializer):
                     ]
                 }
             )
+
+
+_checkers = threading.local()
+
+
+def job_spec_check(data, *, now: dt.datetime) -> tuple[dict, dt.datetime]:
+    """A job body validated as `JobSpecSerializer(data=...).is_valid(raise_exception=True)`
+    would (the same ValidationError), and its first fire at `now`, by one serializer per
+    thread reused for every body: building a serializer deep-copies all its fields, which
+    cost more than validating a body. ListSerializer reuses its child the same way."""
+    checker = getattr(_checkers, "job_spec", None)
+    if checker is None:
+        checker = _checkers.job_spec = JobSpecSerializer(context={})
+    if checker.context.get("now") != now:
+        checker.context.clear()  # the remembered first fires were for another instant
+        checker.context["now"] = now
+    if data is None:  # a JSON null: is_valid's own wording
+        raise serializers.ValidationError({"non_field_errors": ["No data provided"]})
+    try:
+        spec = dict(checker.run_validation(data))
+    except serializers.ValidationError as exc:
+        raise serializers.ValidationError(serializers.as_serializer_error(exc)) from exc
+    return spec, checker.context.pop("first_fire")
+
+
+@functools.cache
+def _defaults_of(serializer_class) -> dict:
+    """A nested policy's defaults, validated once (its fields are constants), not once per
+    body: a serializer's construction copies all its fields."""
+    return dict(serializer_class().run_validation({}))
 
 
 def job_patched_spec(*, spec: dict, patch) -> dict:

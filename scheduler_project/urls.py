@@ -1,5 +1,7 @@
+from django.conf import settings
 from django.contrib import admin
-from django.urls import include, path
+from django.contrib.staticfiles.views import serve as serve_static
+from django.urls import include, path, re_path
 from django.views.generic import RedirectView
 from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
 
@@ -20,3 +22,7 @@ urlpatterns = [
     path("readyz", ops.readyz),
     path("metrics", ops.metrics),
 ]
+if settings.SCHEDULER_SERVE_STATIC:
+    urlpatterns.append(re_path(r"^static/(?P<path>.*)$", serve_static, {"insecure": True}))
+
+handler500 = "scheduler_project.middleware.server_error"

@@ -45,6 +45,7 @@ INSTALLED_APPS = [
 
 MIDDLEWARE = [
     "scheduler_project.middleware.BodySizeLimitMiddleware",
+    "scheduler_project.middleware.DatabaseUnavailableMiddleware",
     "django.middleware.security.SecurityMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
     "django.middleware.common.CommonMiddleware",
@@ -96,6 +97,8 @@ def _database(url: str) -> dict:
             "options": "-c idle_in_transaction_session_timeout=600000",
             **config.get("OPTIONS", {}),
         }
+        if env.SCHEDULER_DB_APPLICATION_NAME:
+            config["OPTIONS"]["application_name"] = env.SCHEDULER_DB_APPLICATION_NAME
     return config
 
 
@@ -112,6 +115,7 @@ USE_I18N = True
 USE_TZ = True
 
 STATIC_URL = "static/"
+SCHEDULER_SERVE_STATIC = env.SCHEDULER_SERVE_STATIC
 STATIC_ROOT = VAR_DIR / "static"
 
 # Run logs' content (logs_app): the filesystem under var/logs unless configured otherwise.

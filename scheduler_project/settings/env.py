@@ -30,6 +30,10 @@ DJANGO_SECRET_KEY = os.environ.get("DJANGO_SECRET_KEY", "")
 DJANGO_DEBUG = env_bool("DJANGO_DEBUG", False)
 DJANGO_ALLOWED_HOSTS = env_list("DJANGO_ALLOWED_HOSTS") or ["localhost", "127.0.0.1", "[::1]"]
 SENTRY_DSN = os.environ.get("SENTRY_DSN", "")
+# PostgreSQL's application_name of this process's connections (standalone names its children).
+SCHEDULER_DB_APPLICATION_NAME = os.environ.get("SCHEDULER_DB_APPLICATION_NAME", "")
+# The web server serves /static/ itself (set by `standalone`, which has no other server).
+SCHEDULER_SERVE_STATIC = env_bool("SCHEDULER_SERVE_STATIC", False)
 SCHEDULER_TASK_MODULES = env_list("SCHEDULER_TASK_MODULES")
 SCHEDULER_QUEUE_TYPE = env_str("SCHEDULER_QUEUE_TYPE", "classic")
 if SCHEDULER_QUEUE_TYPE not in {"classic", "quorum"}:

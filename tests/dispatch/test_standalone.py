@@ -1,6 +1,7 @@
 """`python manage.py standalone` on embedded defaults (SQLite, filesystem broker): no
 external service at all, the same pipeline end to end, and a clean stop on SIGTERM."""
 
+import contextlib
 import datetime as dt
 import os
 import re
@@ -60,6 +61,19 @@ def test_standalone_on_embedded_defaults_runs_a_job_end_to_end(tmp_path):
         http.headers["Authorization"] = f"Token {token}"
         base = f"http://127.0.0.1:{port}/api/v1"
         wait_for(lambda: _answers(http, f"{base}/jobs/"), timeout=60, message="the web server")
+        # A production server that the project installs, not Django's development one.
+        assert http.get(f"{base}/jobs/").headers["Server"].startswith("gunicorn")
+        admin_css = http.get(f"http://127.0.0.1:{port}/static/admin/css/base.css")
+        assert admin_css.status_code == 200
+        bulk = http.post(
+            f"{base}/jobs/bulk/",
+            json=[
+                {"name": f"bulk {i}", "task": "scheduler.echo", "idempotency_key": f"b{i}",
+                 "schedule": {"kind": "cron", "expression": "0 9 * * *"}}
+                for i in range(3)
+            ],
+        )  # fmt: skip
+        assert bulk.status_code == 201, bulk.text
         run_at = (dt.datetime.now(dt.UTC) + dt.timedelta(seconds=2)).isoformat()
         created = http.post(
             f"{base}/jobs/",
@@ -113,4 +127,84 @@ def _answers(http: requests.Session, url: str) -> bool:
     try:
         return http.get(url, timeout=2).status_code == 200
     except requests.ConnectionError:
+        return False
+
+
+def test_standalone_on_postgresql_serves_eight_concurrent_clients_without_a_500(
+    transactional_db, tmp_path
+):
+    """runserver opened a connection per request thread until PostgreSQL refused more; the
+    gunicorn workers hold one each, so the count stays bounded however many requests."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from django.db import connection
+
+    from dispatch.management.commands.standalone import web_workers
+    from tests.processes import purge_queue, test_database_url
+
+    purge_queue()
+    env = {**os.environ, "DATABASE_URL": test_database_url(), "PYTHONUNBUFFERED": "1",
+           "SCHEDULER_VAR_DIR": str(tmp_path / "var"),
+           "DJANGO_SETTINGS_MODULE": "scheduler_project.settings.base"}  # fmt: skip
+    port = _free_port()
+    log_path = tmp_path / "standalone.log"
+    with open(log_path, "wb") as log:
+        process = subprocess.Popen(
+            [sys.executable, "manage.py", "standalone", "--port", str(port)],
+            cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+    database = connection.settings_dict["NAME"]
+
+    def connections_open() -> dict[str, int]:
+        with connection.cursor() as cursor:
+            cursor.execute(
+                "SELECT application_name, count(*) FROM pg_stat_activity WHERE datname = %s "
+                "AND pid <> pg_backend_pid() GROUP BY 1",
+                [database],
+            )
+            return dict(cursor.fetchall())
+
+    try:
+        token = wait_for(
+            lambda: re.search(rb"API token: (\w+)", log_path.read_bytes()),
+            timeout=60, message="the API token to be printed",
+        ).group(1).decode()  # fmt: skip
+        base = f"http://127.0.0.1:{port}/api/v1"
+        headers = {"Authorization": f"Token {token}"}
+        wait_for(lambda: _up(base, headers), timeout=60, message="the web server")
+        most = [connections_open()]
+
+        def client(index: int) -> list[int]:
+            statuses = []
+            with requests.Session() as http, contextlib.closing(connection):
+                http.headers.update(headers)
+                for n in range(40):
+                    body = {"name": f"c{index}-{n}", "task": "scheduler.echo",
+                            "schedule": {"kind": "cron", "expression": "0 9 * * *"}}  # fmt: skip
+                    statuses.append(http.post(f"{base}/jobs/", json=body, timeout=60).status_code)
+                    if n % 10 == 0:
+                        statuses.append(http.get(f"{base}/jobs/", timeout=60).status_code)
+                    if index == 0:
+                        most.append(connections_open())
+            return statuses
+
+        with ThreadPoolExecutor(8) as pool:
+            statuses = [s for result in pool.map(client, range(8)) for s in result]
+        assert set(statuses) <= {200, 201}, sorted(set(statuses))
+        assert statuses.count(201) == 8 * 40
+        # One connection per gunicorn worker at most, whatever the number of requests.
+        web = max(seen.get("scheduler-web", 0) for seen in most)
+        assert 1 <= web <= web_workers(), most
+    finally:
+        process.send_signal(signal.SIGTERM)
+        returncode = process.wait(timeout=60)
+    assert returncode == 0, log_path.read_text(errors="replace")[-3000:]
+    # Stopped, the stack leaves no connection behind.
+    wait_for(lambda: not connections_open(), timeout=30, message="the connections to close")
+
+
+def _up(base: str, headers: dict) -> bool:
+    try:
+        return requests.get(f"{base}/jobs/", headers=headers, timeout=10).status_code == 200
+    except requests.RequestException:  # not listening yet, or still starting
         return False

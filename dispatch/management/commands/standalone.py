@@ -3,6 +3,12 @@
 Migrates, makes sure a first user and API token exist, prints them with the URLs, then runs
 the web server, a scheduler, a relay and a Celery worker as child processes, restarting any
 that dies, until Ctrl-C or SIGTERM stops them all.
+
+The web server is gunicorn (a production WSGI server; Django's runserver opened a thread,
+and a database connection, per request, until PostgreSQL refused new ones): on PostgreSQL
+`web_workers()` sync workers, each holding at most one connection (CONN_MAX_AGE keeps it
+between requests); on SQLite one worker with threads, since writers serialize on the file
+anyway. docs/connections.md counts the connections of the whole stack.
 """
 
 from __future__ import annotations
@@ -23,6 +29,24 @@ from rest_framework.authtoken.models import Token
 from dispatch.commands import worker_argv
 
 STOP_GRACE_SECONDS = 20
+SQLITE_WEB_THREADS = 4
+
+
+def web_workers() -> int:
+    """Sync workers for PostgreSQL: two per core (a request spends about half its time
+    waiting on the database), at least 2, at most 8 (each is a connection)."""
+    return max(2, min(8, 2 * (os.cpu_count() or 1)))
+
+
+def web_argv(*, host: str, port: int, workers: int | None) -> list[str]:
+    """The gunicorn command line of the web process."""
+    argv = [sys.executable, "-m", "gunicorn", "scheduler_project.wsgi:application",
+            "--bind", f"{host}:{port}", "--chdir", str(settings.BASE_DIR),
+            "--timeout", "60", "--graceful-timeout", "10"]  # fmt: skip
+    if settings.DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
+        return [*argv, "--workers", str(workers or 1), "--worker-class", "gthread",
+                "--threads", str(SQLITE_WEB_THREADS)]  # fmt: skip
+    return [*argv, "--workers", str(workers or web_workers()), "--worker-class", "sync"]
 
 
 class Command(BaseCommand):
@@ -32,8 +56,15 @@ class Command(BaseCommand):
         parser.add_argument("--host", default="127.0.0.1")
         parser.add_argument("--port", type=int, default=8000)
         parser.add_argument("--worker-concurrency", type=int, default=2)
+        parser.add_argument(
+            "--web-workers",
+            type=int,
+            default=None,
+            help="gunicorn worker processes (default: 2 per core, 2-8, on PostgreSQL; 1 with "
+            f"{SQLITE_WEB_THREADS} threads on SQLite)",
+        )
 
-    def handle(self, *args, host, port, worker_concurrency, **options):
+    def handle(self, *args, host, port, worker_concurrency, web_workers, **options):
         call_command("migrate", interactive=False, verbosity=0)
         username, password, token = self._first_user()
         base = f"http://{host}:{port}"
@@ -57,10 +88,15 @@ class Command(BaseCommand):
             )
         )
         self.stdout.flush()
-        env = {**os.environ, "DJANGO_SETTINGS_MODULE": os.environ["DJANGO_SETTINGS_MODULE"]}
+        env = {
+            **os.environ,
+            "DJANGO_SETTINGS_MODULE": os.environ["DJANGO_SETTINGS_MODULE"],
+            # The admin's CSS and scripts, from the apps' static folders (no collectstatic).
+            "SCHEDULER_SERVE_STATIC": "1",
+        }
         django = [sys.executable, "-m", "django"]
         commands = {
-            "web": [*django, "runserver", "--noreload", "--insecure", f"{host}:{port}"],
+            "web": web_argv(host=host, port=port, workers=web_workers),
             "scheduler": [*django, "scheduler"],
             "relay": [*django, "relay"],
             "worker": worker_argv(
@@ -91,7 +127,9 @@ class Supervisor:
         self.stopping = False
 
     def _start(self, name: str) -> None:
-        self.children[name] = subprocess.Popen(self.commands[name], env=self.env)
+        # Each child's database connections carry its name (pg_stat_activity.application_name).
+        env = {**self.env, "SCHEDULER_DB_APPLICATION_NAME": f"scheduler-{name}"}
+        self.children[name] = subprocess.Popen(self.commands[name], env=env)
 
     def _on_signal(self, signum, frame) -> None:
         self.stopping = True
