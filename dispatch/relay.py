@@ -35,10 +35,12 @@ from kombu.serialization import dumps as kombu_dumps
 
 from jobs.models import OutboxMessage, OutboxState
 from jobs.outbox import outbox_delete_published, outbox_record_failure
+from jobs.registry import task_pack_size
 
 from .config import config_require
 from .failpoints import failpoint
 from .loop import BROKER_ERRORS
+from .packing import outbox_packs, pack_time_limit
 
 log = logging.getLogger("dispatch.relay")
 # Seconds between Celery's soft time limit (the handler gets SoftTimeLimitExceeded) and its
@@ -111,6 +113,24 @@ def task_message(message: PendingMessage, *, task_id: str, run_id: str, publishe
         time_limit=(
             message.timeout_seconds + HARD_TIME_LIMIT_GRACE if message.timeout_seconds else None
         ),
+    )
+
+
+def packed_task_message(pack: list[PendingMessage], *, published_at: str):
+    """The Celery task message of several runs of one short task (dispatch.packing): the
+    first row's id is the task id; each run gets its own soft time limit from the worker,
+    the message a hard limit with room for all of them."""
+    first = pack[0]
+    return current_app.amqp.as_task_v2(
+        str(first.message_id),
+        first.task_name,
+        args=(),
+        kwargs={
+            "run_ids": [str(message.run_id) for message in pack],
+            "published_at": published_at,
+            "timeout_seconds": first.timeout_seconds,
+        },
+        time_limit=pack_time_limit(first.timeout_seconds, len(pack), HARD_TIME_LIMIT_GRACE),
     )
 
 
@@ -232,16 +252,23 @@ class ConfirmingPublisher:
             write(b"".join(chunk))
         self.connection.connection.bytes_sent += 1  # what py-amqp counts for heartbeats
 
-    def _publish_kombu(self, messages: list[PendingMessage], published_at: str) -> None:
+    def _publish_kombu(self, packs: list[list[PendingMessage]], published_at: str) -> None:
+        """Through kombu's Producer: on transports without confirms, and for packs (whose
+        run lists make no fixed-length template). On a channel in confirm mode each
+        publish takes the next delivery tag, as the template path's do."""
         producer = Producer(self.channel, serializer="json", auto_declare=False)
-        for message in messages:
+        for pack in packs:
+            message = pack[0]
             queue = self._declare(message.queue)
-            task = task_message(
-                message,
-                task_id=str(message.message_id),
-                run_id=str(message.run_id),
-                published_at=published_at,
-            )
+            if len(pack) > 1:
+                task = packed_task_message(pack, published_at=published_at)
+            else:
+                task = task_message(
+                    message,
+                    task_id=str(message.message_id),
+                    run_id=str(message.run_id),
+                    published_at=published_at,
+                )
             producer.publish(
                 task.body,
                 exchange=queue.exchange,
@@ -254,17 +281,22 @@ class ConfirmingPublisher:
                 **task.properties,
             )
             self.sent += 1
+            if self.confirms:
+                self.unconfirmed.add(self.sent)
 
     def publish_batch_and_confirm(
         self, messages: list[PendingMessage], *, published_at: str, timeout: float
     ) -> None:
-        """Publish every message, then wait until the broker confirmed all of them."""
+        """Publish every message (the runs of short tasks packed several to a message,
+        dispatch.packing), then wait until the broker confirmed all of them."""
         self._open()
+        packs = outbox_packs(messages, pack_size=task_pack_size)
         if not self.confirms:
-            self._publish_kombu(messages, published_at)
+            self._publish_kombu(packs, published_at)
             return
         self.floor = self.sent + 1  # every earlier tag was settled (or the channel reset)
-        self._publish_amqp(messages, published_at)
+        self._publish_amqp([pack[0] for pack in packs if len(pack) == 1], published_at)
+        self._publish_kombu([pack for pack in packs if len(pack) > 1], published_at)
         deadline = time.monotonic() + timeout
         while self.unconfirmed and not self.nacked:
             remaining = deadline - time.monotonic()

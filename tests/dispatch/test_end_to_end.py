@@ -134,3 +134,38 @@ def test_a_worker_keeps_its_database_connections_across_runs(stack, user):
     # The scheduler's loops and the relay open a few of their own; 60 runs opening one
     # each would show here.
     assert sessions() - before < 20
+
+
+def test_packed_runs_each_run_once_with_their_own_attempt(stack, user):
+    """45 runs of a task declared pack=20 travel in 3 messages to real workers; each run is
+    claimed, run and recorded on its own, with every stage stamped."""
+    from jobs.models import Attempt, AttemptState
+    from jobs.services import job_create
+    from jobs.validation import JobSpecSerializer
+
+    now = dt.datetime.now(dt.UTC)
+    for index in range(45):
+        spec = JobSpecSerializer(
+            data={"name": f"p{index}", "task": "tests.record_packed", "args": [index],
+                  "schedule": {"kind": "once", "run_at": now.isoformat()}}
+        )  # fmt: skip
+        spec.is_valid(raise_exception=True)
+        job_create(owner=user, spec=spec.validated_data, now=now)
+    stack.worker(concurrency=2)
+    stack.relay()
+    stack.scheduler()
+    wait_for(
+        lambda: Run.objects.filter(state=RunState.SUCCEEDED).count() == 45,
+        timeout=60,
+        message="45 packed runs to succeed",
+    )
+    runs = list(Run.objects.all())
+    assert len(runs) == 45
+    assert all(
+        run.result == {"ok": True, "args": [run.job_version.spec["args"][0]]} for run in runs
+    )
+    assert all(run.published_at and run.started_at and run.finished_at for run in runs)
+    assert Attempt.objects.filter(state=AttemptState.SUCCEEDED, fencing_token=1).count() == 45
+    assert Attempt.objects.count() == 45
+    executions = stack.executions()
+    assert sorted(e["run_id"] for e in executions) == sorted(str(run.id) for run in runs)

@@ -114,7 +114,7 @@ def test_the_relays_encoded_frames_are_the_messages_kombu_sends():
         publisher.publish_batch_and_confirm(
             [first, second], published_at=published_at, timeout=15
         )  # the second from the template the first made
-        publisher._publish_kombu([first, second], published_at)
+        publisher._publish_kombu([[first], [second]], published_at)
     finally:
         publisher.close()
     messages = _drain_queue()
@@ -178,3 +178,40 @@ def test_the_relay_process_is_woken_by_the_commit_of_an_outbox_row(stack, make_j
     )
     assert relay.poll() is None
     assert [m["body"][1]["run_id"] for m in _drain_queue()] == [str(Run.objects.get(job=job).id)]
+
+
+def test_the_runs_of_a_short_task_travel_packed_and_others_alone(make_job):
+    """tests.record_packed declares pack=20: 45 of its runs take 3 messages, confirmed
+    with the 2 single ones of tests.record in the same batch."""
+    purge_queue()
+    for index in range(47):
+        make_job(
+            now=NOW - dt.timedelta(minutes=1),
+            task="tests.record_packed" if index < 45 else "tests.record",
+            schedule={"kind": "once", "run_at": NOW.isoformat()},
+        )
+    scheduler_run_once(now=NOW, config=SchedulerConfig())
+    publisher = ConfirmingPublisher(
+        settings.CELERY_BROKER_URL, settings.CELERY_BROKER_TRANSPORT_OPTIONS
+    )
+    try:
+        assert relay_run_once(now=NOW, config=RelayConfig(), publisher=publisher).published == 47
+    finally:
+        publisher.close()
+    assert not OutboxMessage.objects.exists()
+    messages = _drain_queue()
+    packed = [m for m in messages if m["headers"]["task"] == "tests.record_packed"]
+    single = [m for m in messages if m["headers"]["task"] == "tests.record"]
+    assert sorted(len(m["body"][1]["run_ids"]) for m in packed) == [5, 20, 20]
+    assert len(single) == 2 and all("run_id" in m["body"][1] for m in single)
+    sent = [run for m in packed for run in m["body"][1]["run_ids"]]
+    expected = Run.objects.filter(job__spec__task="tests.record_packed").values_list(
+        "id", flat=True
+    )
+    assert sorted(sent) == sorted(str(run) for run in expected)
+    # Each run gets its own soft limit in the worker; the message a hard one for all.
+    for message in packed:
+        runs = len(message["body"][1]["run_ids"])
+        assert message["body"][1]["timeout_seconds"] == 3600
+        assert message["headers"]["timelimit"] == [runs * (3600 + 15), None]
+    purge_queue()
