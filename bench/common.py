@@ -182,9 +182,19 @@ def validated_spec(body: dict) -> dict:
     return dict(spec.validated_data)
 
 
-def once_spec(name: str, due: dt.datetime, task: str = "tests.record") -> dict:
+def bench_task() -> str:
+    """The task the workloads schedule: tests.record, or what `run.py --task` chose (such as
+    tests.record_packed, the same no-op declared `pack=20`)."""
+    return os.environ.get("BENCH_TASK", "tests.record")
+
+
+def once_spec(name: str, due: dt.datetime, task: str | None = None) -> dict:
     return validated_spec(
-        {"name": name, "task": task, "schedule": {"kind": "once", "run_at": due.isoformat()}}
+        {
+            "name": name,
+            "task": task or bench_task(),
+            "schedule": {"kind": "once", "run_at": due.isoformat()},
+        }
     )
 
 

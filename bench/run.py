@@ -61,6 +61,11 @@ def parser() -> argparse.ArgumentParser:
                         "(raised to cover the measured creation time)")  # fmt: skip
     p.add_argument("--timeout", type=float, default=900, help="seconds a workload may take")
     p.add_argument("--repeat", type=int, default=1, help="run K times, report medians")
+    p.add_argument(
+        "--task",
+        default="tests.record",
+        help="the task scheduled: tests.record, or tests.record_packed (pack=20)",
+    )
     p.add_argument("--output", type=Path, default=None, help="the JSON file to write")
     return p
 
@@ -187,6 +192,7 @@ def git_commit() -> str:
 
 def main(argv: list[str] | None = None) -> dict:
     args = parser().parse_args(argv)
+    os.environ["BENCH_TASK"] = args.task  # read by bench.common.bench_task
     names = ALL if args.workload == "all" else [args.workload]
     started = dt.datetime.now(dt.UTC)
     output = args.output or HERE / "results" / f"{started:%Y%m%dT%H%M%SZ}.json"

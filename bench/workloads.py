@@ -16,6 +16,7 @@ from bare_celery import bare_celery_burst
 from common import (
     Stack,
     bench_owner,
+    bench_task,
     create_due_burst,
     create_once_jobs,
     once_spec,
@@ -174,7 +175,7 @@ def w2(args, env: dict, workdir) -> dict:
         spec = validated_spec(
             {
                 "name": prefix,
-                "task": "tests.record",
+                "task": bench_task(),
                 "schedule": {"kind": "cron", "expression": "* * * * *"},
             }
         )

@@ -136,16 +136,18 @@ def _published_long_ago(*, now: dt.datetime, config: ReconcileConfig):
     )
 
 
-def _latest_delivered_publications(queues: list[str]) -> dict[str, dt.datetime]:
-    """For each queue, the latest publication time of a message that a worker claimed among
-    the last RECENT_CLAIMS claims (the claim records the message's `published_at`)."""
+def _latest_claimed_creations(queues: list[str]) -> dict[str, dt.datetime]:
+    """For each queue, the latest creation of a run that a worker claimed among the last
+    RECENT_CLAIMS claims. A run is created no later than it is queued, and the relays
+    publish outbox rows in the order they were written, so a run claimed from a queue that
+    was created well after another run was queued there was published after it."""
     recent = Attempt.objects.order_by("-id").values("run_id")[:RECENT_CLAIMS]
     rows = (
-        Run.objects.filter(id__in=Subquery(recent), published_at__isnull=False)
+        Run.objects.filter(id__in=Subquery(recent))
         .annotate(message_queue=KeyTextTransform("queue", "job_version__spec"))
         .filter(message_queue__in=queues)
         .values("message_queue")
-        .annotate(latest=Max("published_at"))
+        .annotate(latest=Max("created_at"))
         .values_list("message_queue", "latest")
     )
     return dict(rows)
@@ -155,9 +157,12 @@ def _republish_lost_messages(
     *, now: dt.datetime, config: ReconcileConfig, queue_depth: QueueDepth
 ) -> tuple[int, int]:
     """A published, unclaimed run is lost when its queue holds no ready message (it cannot
-    be waiting in line), or when a worker claimed from its queue a message published more
-    than the wait after it (RabbitMQ queues are first in, first out: it should have come
-    first). The evidence is gathered outside any transaction (the broker's queue depths
+    be waiting in line), or when a worker claimed from its queue a run created more than
+    the wait after this one was queued (RabbitMQ queues are first in, first out, and the
+    relays publish in the outbox's order: it should have come first). Both sides are
+    queue-side times, not publication times, so a backlog published late after a relay or
+    broker outage is not mistaken for lost: its runs were all queued before the ones that
+    are claimed first. The evidence is gathered outside any transaction (the broker's queue depths
     are network calls); the repair rechecks everything under the row lock."""
     wait = dt.timedelta(seconds=config.queued_after_seconds)
     candidates = _published_long_ago(now=now, config=config)
@@ -167,11 +172,11 @@ def _republish_lost_messages(
     )
     if not queues:
         return 0, 0
-    overtaken_after = _latest_delivered_publications(queues)
+    overtaken_after = _latest_claimed_creations(queues)
     idle = [queue for queue in queues if queue_depth(queue) == 0]
     evidence = Q(message_queue__in=idle)
-    for queue, published_at in overtaken_after.items():
-        evidence |= Q(message_queue=queue, updated_at__lt=published_at - wait)
+    for queue, created_at in overtaken_after.items():
+        evidence |= Q(message_queue=queue, updated_at__lt=created_at - wait)
     republished = undeliverable = 0
     with transaction.atomic():
         runs = list(

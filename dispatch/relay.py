@@ -41,6 +41,7 @@ from .config import config_require
 from .failpoints import failpoint
 from .loop import BROKER_ERRORS
 from .packing import outbox_packs, pack_time_limit
+from .runtime import COMPLETION_RETRY_SECONDS
 
 log = logging.getLogger("dispatch.relay")
 # Seconds between Celery's soft time limit (the handler gets SoftTimeLimitExceeded) and its
@@ -130,7 +131,13 @@ def packed_task_message(pack: list[PendingMessage], *, published_at: str):
             "published_at": published_at,
             "timeout_seconds": first.timeout_seconds,
         },
-        time_limit=pack_time_limit(first.timeout_seconds, len(pack), HARD_TIME_LIMIT_GRACE),
+        # Room per run for its limit, its grace, and the claim's and the outcome's retries
+        # through a database outage (dispatch.runtime).
+        time_limit=pack_time_limit(
+            first.timeout_seconds,
+            len(pack),
+            HARD_TIME_LIMIT_GRACE + int(2 * COMPLETION_RETRY_SECONDS),
+        ),
     )
 
 

@@ -38,8 +38,6 @@ log = logging.getLogger("dispatch.runtime")
 # How long a finished attempt keeps trying to record its outcome while the database is down.
 COMPLETION_RETRY_SECONDS = 60.0
 MAX_RESULT_BYTES = 64 * 1024
-# The longest the successes of a packed message wait to be recorded together.
-PACK_RECORD_SECONDS = 0.1
 
 
 class Lease:
@@ -151,21 +149,30 @@ class LeaseKeeper:
     def _run(self) -> None:
         try:
             while True:
-                leases = self.held()
-                now = time.monotonic()
-                due = [lease for lease in leases if lease.renew_at <= now]
-                if due:
-                    self._renew(due)
-                    continue
-                if not leases and connection.connection is not None:
-                    # Only runs longer than a third of their lease ever renew: most never
-                    # do, and an idle process holds no connection for them.
+                try:
+                    self._step()
+                except Exception:  # noqa: BLE001 - the keeper must outlive any one failure
+                    log.exception("lease keeper step failed; retrying")
                     connection.close()
-                wake = min((lease.renew_at for lease in leases), default=now + 1.0)
-                self._poke.wait(min(wake - now, 0.5 if self.failing else 1.0))
-                self._poke.clear()
+                    time.sleep(0.5)
         finally:
             connection.close()
+
+    def _step(self) -> None:
+        """Renew the leases due, or sleep until the next is due (or a heartbeat pokes)."""
+        leases = self.held()
+        now = time.monotonic()
+        due = [lease for lease in leases if lease.renew_at <= now]
+        if due:
+            self._renew(due)
+            return
+        if not leases and connection.connection is not None:
+            # Only runs longer than a third of their lease ever renew: most never do, and
+            # an idle process holds no connection for them.
+            connection.close()
+        wake = min((lease.renew_at for lease in leases), default=now + 1.0)
+        self._poke.wait(min(wake - now, 0.5 if self.failing else 1.0))
+        self._poke.clear()
 
     def _renew(self, due: list[Lease]) -> None:
         try:
@@ -364,14 +371,11 @@ def run_execute_delivery(
     message_id: str,
     published_at: str | None = None,
     time_limit: float | None = None,
-    defer: list | None = None,
 ) -> dict:
     """Claim, run and complete one delivered run. Returns a summary for Celery's log;
     outcome `claim_failed` means the database stayed away and the caller must deliver the
     run again (dispatch.registry publishes the message anew). `time_limit`: the handler's
-    own soft time limit, for runs packed in one message (whose Celery limit is the pack's).
-    `defer`: a success is appended there, to be recorded with others (`_record_successes`),
-    instead of at once; its summary's outcome is filled in then."""
+    own soft time limit, for runs packed in one message (whose Celery limit is the pack's)."""
     try:
         attempt = _claim(run_id=run_id, worker=worker, published_at=_published_at(published_at))
     except (OperationalError, InterfaceError):
@@ -408,8 +412,14 @@ def run_execute_delivery(
     capture = LogCapture(attempt)
     try:
         capture.start()
-        with _soft_time_limit(time_limit):
-            result = handler(ctx, *spec["args"], **spec["kwargs"])
+        returned = False
+        try:
+            with _soft_time_limit(time_limit):
+                result = handler(ctx, *spec["args"], **spec["kwargs"])
+                returned = True
+        except SoftTimeLimitExceeded:
+            if not returned:
+                raise  # an alarm landing after the handler returned is not its timeout
     except BaseException as exc:  # noqa: BLE001 - every handler error is the attempt's outcome
         # The lease stays renewed until the outcome is written: finishing the logs may take
         # a while, and the reaper must not take the run meanwhile.
@@ -428,11 +438,7 @@ def run_execute_delivery(
         logs = _finish_capture(capture, attempt)
         lease.finishing = True
         summary = {"run_id": run_id, "attempt": attempt.number, "outcome": "pending"}
-        success = _Success(attempt, _storable_result(result), logs, lease, summary)
-        if defer is None:
-            _record_successes([success])
-        else:
-            defer.append(success)  # recorded with the next ones of its pack
+        _record_successes([_Success(attempt, _storable_result(result), logs, lease, summary)])
         return summary
 
     try:
@@ -462,9 +468,9 @@ class _Success:
 
 
 def _record_successes(successes: list[_Success]) -> None:
-    """Record succeeded attempts, one or a pack's worth, in one transaction of a few
-    statements (attempts and runs in one, the log manifests in one), each only while it
-    holds its run's current token; a refused one is stale, counted, its logs discarded."""
+    """Record succeeded attempts in one transaction of a few statements (attempts and runs
+    in one, the log manifests in one), each only while it holds its run's current token; a
+    refused one is stale, counted, its logs discarded."""
 
     def write() -> set[int]:
         with transaction.atomic():
@@ -498,6 +504,15 @@ def _record_successes(successes: list[_Success]) -> None:
             success.summary["outcome"] = "stale"
 
 
+class PackInterrupted(Exception):
+    """A run of a packed message ended the task (a BaseException from its handler, or a
+    failure to record its outcome): the runs after it must be delivered again."""
+
+    def __init__(self, remaining: list[str]) -> None:
+        super().__init__(f"{len(remaining)} runs of the pack not reached")
+        self.remaining = remaining
+
+
 def run_execute_deliveries(
     *,
     run_ids: list[str],
@@ -509,29 +524,24 @@ def run_execute_deliveries(
 ) -> dict:
     """The runs of one message, in order (the relay packs short runs of one task): each is
     claimed only when its turn comes, so each has its own attempt, lease, token, deadline
-    and time limit, and is completed on its own; the runs not yet reached stay `queued`.
-    Outcome `claim_failed` carries the runs still to deliver (`remaining`)."""
+    and time limit, and is recorded on its own as it ends; the runs not yet reached stay
+    `queued`. Outcome `claim_failed` carries the runs still to deliver (`remaining`);
+    anything else that stops the pack raises PackInterrupted (from its cause) with them."""
     summaries: list[dict] = []
-    successes: list[_Success] = []
-    held_since = 0.0
-    try:
-        for index, run_id in enumerate(run_ids):
+    for index, run_id in enumerate(run_ids):
+        try:
             summary = run_execute_delivery(
                 run_id=run_id, handler=handler, worker=worker, message_id=message_id,
-                published_at=published_at, time_limit=time_limit, defer=successes,
+                published_at=published_at, time_limit=time_limit,
             )  # fmt: skip
-            if summary["outcome"] == "claim_failed":
-                return {"outcome": "claim_failed", "remaining": run_ids[index:], "runs": summaries}
-            summaries.append(summary)
-            if successes and not held_since:
-                held_since = time.monotonic()
-            if successes and time.monotonic() - held_since >= PACK_RECORD_SECONDS:
-                # Successes wait at most this long to be recorded, however long the pack.
-                _record_successes(successes)
-                successes, held_since = [], 0.0
-    finally:
-        if successes:
-            _record_successes(successes)
+        except BaseException as exc:  # noqa: BLE001 - the rest of the pack must not be lost
+            # This run's own attempt, if claimed, is recorded or left to its lease.
+            if index + 1 == len(run_ids):
+                raise
+            raise PackInterrupted(run_ids[index + 1 :]) from exc
+        if summary["outcome"] == "claim_failed":
+            return {"outcome": "claim_failed", "remaining": run_ids[index:], "runs": summaries}
+        summaries.append(summary)
     return {"outcome": "done", "runs": summaries}
 
 

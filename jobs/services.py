@@ -145,6 +145,8 @@ def attempt_record_failure(
                                "failure_reason": decision.failure_reason})  # fmt: skip
         if ended == AttemptState.LOST:
             counter_increment("scheduler_lease_expired_total")
+        if decision.retry_at is not None:
+            notify(CHANNEL_SCHEDULE)  # the promoter queues the retry at its instant
         if decision.retry_at is None:
             # After the commit, in its own transaction: pausing locks the job row, and doing
             # it here (attempt and run locked) would invert the scheduler's job-then-run order.

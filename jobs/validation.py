@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import datetime as dt
 import functools
 import json
@@ -253,7 +254,8 @@ class JobSpecSerializer(StrictSerializer):
         # An omitted policy is stored whole, with its defaults, in the job's version.
         for field, serializer in self.NESTED_DEFAULTS.items():
             if not attrs[field]:
-                attrs[field] = dict(_defaults_of(serializer))
+                # A deep copy: the cached defaults are shared by every body in the process.
+                attrs[field] = copy.deepcopy(_defaults_of(serializer))
         limit = settings.SCHEDULER_MAX_PAYLOAD_BYTES
         for field in ("args", "kwargs"):
             problem = json_problem(attrs[field])

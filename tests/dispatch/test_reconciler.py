@@ -234,8 +234,8 @@ def test_a_run_whose_queue_delivered_later_messages_is_lost_even_while_the_queue
     delivered = queued_run()
     publish(delivered, at=later(-THRESHOLD))
     assert run_claim(run_id=delivered.id, worker="w", now=later(-THRESHOLD + 1), lease_seconds=30)
-    # What the worker's claim records from the message it was delivered.
-    Run.objects.filter(id=delivered.id).update(published_at=later(-THRESHOLD))
+    # Created (so queued, so published) well after `lost` was queued.
+    Run.objects.filter(id=delivered.id).update(created_at=later(-THRESHOLD))
     before = [snapshot(run.id) for run in (recent, elsewhere)]
 
     result = reconcile_run_once(now=NOW, config=CONFIG, queue_depth=lambda queue: 5)
@@ -252,6 +252,27 @@ def test_a_run_whose_queue_delivered_later_messages_is_lost_even_while_the_queue
         now=later(4 * THRESHOLD), config=CONFIG, queue_depth=lambda q: 5
     )
     assert later_pass == ReconcileResult()
+
+
+def test_a_backlog_published_late_is_not_taken_for_lost_while_its_first_runs_are_claimed(
+    queued_run,
+):
+    """After an outage of the relays, runs queued long ago are published at once; the
+    first ones claimed were created as long ago as the rest, so nothing is republished."""
+    waiting = [queued_run() for _ in range(3)]
+    for run in waiting:
+        publish(run, at=later(-3 * THRESHOLD))
+    Run.objects.filter(id__in=[run.id for run in waiting]).update(created_at=later(-3 * THRESHOLD))
+    claimed = waiting.pop()
+    assert run_claim(run_id=claimed.id, worker="w", now=NOW, lease_seconds=30)
+    # Its message was published just now, long after the others were queued.
+    Run.objects.filter(id=claimed.id).update(published_at=NOW)
+    before = [snapshot(run.id) for run in waiting]
+
+    result = reconcile_run_once(now=NOW, config=CONFIG, queue_depth=lambda queue: 5)
+
+    assert result == ReconcileResult()
+    assert [snapshot(run.id) for run in waiting] == before
 
 
 # --- orphaned running runs -------------------------------------------------------------

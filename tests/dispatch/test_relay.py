@@ -213,5 +213,5 @@ def test_the_runs_of_a_short_task_travel_packed_and_others_alone(make_job):
     for message in packed:
         runs = len(message["body"][1]["run_ids"])
         assert message["body"][1]["timeout_seconds"] == 3600
-        assert message["headers"]["timelimit"] == [runs * (3600 + 15), None]
+        assert message["headers"]["timelimit"] == [runs * (3600 + 15 + 120), None]
     purge_queue()

@@ -634,3 +634,39 @@ def test_the_runs_of_a_packed_message_not_yet_claimed_are_delivered_again(queued
     assert claimed == [ids[0], ids[1], ids[1], ids[2]]
     assert all(Run.objects.get(id=run.id).state == RunState.SUCCEEDED for run in runs)
     assert all(Run.objects.get(id=run.id).attempts.count() == 1 for run in runs)
+
+
+def test_a_pack_ended_by_its_first_run_delivers_the_others_again(queued_run, monkeypatch):
+    import asyncio
+
+    import dispatch.runtime
+    from tests.sample_tasks import record
+
+    runs = [queued_run() for _ in range(3)]
+    real_execute = dispatch.runtime.run_execute_delivery
+
+    def first_interrupts(ctx, *args, **kwargs):
+        if ctx.run_id == str(runs[0].id):
+            raise asyncio.CancelledError()  # a BaseException: it ends the task
+        return {"ok": True}
+
+    monkeypatch.setattr(
+        dispatch.runtime,
+        "run_execute_delivery",
+        lambda **kwargs: real_execute(**{**kwargs, "handler": first_interrupts}),
+    )
+    published = []  # what a worker's Task.retry would publish (eagerly it publishes nothing)
+    monkeypatch.setattr(
+        record, "retry", lambda kwargs, **options: published.append(kwargs["run_ids"])
+    )
+
+    with pytest.raises(asyncio.CancelledError):
+        record.apply(kwargs={"run_ids": [str(run.id) for run in runs]}, throw=True)
+
+    assert published == [[str(runs[1].id), str(runs[2].id)]]
+    assert runs[0].attempts.get().state == AttemptState.FAILED
+    assert [Run.objects.get(id=run.id).state for run in runs[1:]] == [RunState.QUEUED] * 2
+    # Delivered again, they run.
+    monkeypatch.setattr(dispatch.runtime, "run_execute_delivery", real_execute)
+    record.apply(kwargs={"run_ids": published[0]})
+    assert [Run.objects.get(id=run.id).state for run in runs[1:]] == [RunState.SUCCEEDED] * 2
