@@ -38,27 +38,9 @@ SCHEDULE_FIELDS = ("schedule", "dst", "start_at", "end_at")
 
 
 def job_create(*, owner: AbstractBaseUser, spec: dict, now: dt.datetime) -> Job:
-    """Create a job, its first version and its audit event; `spec` is already validated."""
-    first = job_first_fire(spec=spec, now=now)
-    with transaction.atomic():
-        job = Job.objects.create(
-            owner=owner,
-            name=spec["name"],
-            task=spec["task"],
-            spec=spec,
-            queue=spec["queue"],
-            priority=spec["priority"],
-            labels=spec["labels"],
-            next_run_at=first,
-            created_at=now,
-        )
-        JobVersion.objects.create(job=job, version=job.version, spec=spec, created_by=owner)
-        audit_record(
-            action="job.created", actor=owner, job_id=job.id, data={"version": job.version}
-        )
-        if first is not None:
-            notify(CHANNEL_SCHEDULE)  # the schedulers may sleep past its first fire
-    return job
+    """Create a job, its first version and its audit event; `spec` is already validated.
+    The one-job form of `job_create_bulk`, so that every job is written by one path."""
+    return job_create_bulk(owner=owner, specs=[spec], now=now, bulk=False)[0]
 
 
 def job_create_bulk(
