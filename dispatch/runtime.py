@@ -29,7 +29,7 @@ from jobs.services import attempt_record_failure, run_record_duplicate_delivery
 from jobs.transitions import attempts_renew_leases, attempts_succeed, run_claim
 from logs_app.capture import LogCapture
 from logs_app.redaction import redact
-from logs_app.store import logs_discard, logs_prepare, logs_seal, logs_seal_many
+from logs_app.store import logs_discard, logs_prepare, logs_seal
 
 from .errors import NonRetryableError
 
@@ -437,9 +437,10 @@ def run_execute_delivery(
     else:
         logs = _finish_capture(capture, attempt)
         lease.finishing = True
-        summary = {"run_id": run_id, "attempt": attempt.number, "outcome": "pending"}
-        _record_successes([_Success(attempt, _storable_result(result), logs, lease, summary)])
-        return summary
+        outcome = _record_success(
+            attempt=attempt, result=_storable_result(result), logs=logs, lease=lease
+        )
+        return {"run_id": run_id, "attempt": attempt.number, "outcome": outcome}
 
     try:
         outcome = _with_database_retries(write)
@@ -456,52 +457,29 @@ def _count_stale(run_id, attempt: Attempt) -> None:
     log.warning("stale completion of run %s attempt %s refused", run_id, attempt.number)
 
 
-@dataclasses.dataclass
-class _Success:
-    """A handler that returned: its outcome, still to be recorded."""
+def _record_success(*, attempt: Attempt, result, logs: dict, lease: Lease) -> str:
+    """Record a succeeded attempt in one transaction of a few statements (attempt and run
+    in one, the log manifest in one), only while it holds its run's current token; a
+    refused one is stale, counted, its logs discarded. Returns the outcome for the log."""
 
-    attempt: Attempt
-    result: object  # as the database stores it
-    logs: dict  # logs_seal's arguments
-    lease: Lease  # renewed until the outcome is recorded
-    summary: dict  # its `outcome` is filled in once recorded
-
-
-def _record_successes(successes: list[_Success]) -> None:
-    """Record succeeded attempts in one transaction of a few statements (attempts and runs
-    in one, the log manifests in one), each only while it holds its run's current token; a
-    refused one is stale, counted, its logs discarded."""
-
-    def write() -> set[int]:
+    def write() -> bool:
         with transaction.atomic():
-            won = attempts_succeed(outcomes=[(s.attempt, s.result) for s in successes])
-            # The logs are complete whenever the run shows its success.
-            logs_seal_many(
-                sealed=[(s.attempt, s.logs) for s in successes if s.attempt.id in won],
-                now=Now(),  # the transaction's own time on the database
-            )
-        refused = [s.attempt.id for s in successes if s.attempt.id not in won]
-        if refused:
-            # Refused, yet succeeded: a retry after an ambiguous commit of this very write.
-            won |= set(
-                Attempt.objects.filter(id__in=refused, state=AttemptState.SUCCEEDED).values_list(
-                    "id", flat=True
-                )
-            )
-        return won
+            # One statement for the attempt and its run (the hot path's form).
+            won = attempt.id in attempts_succeed(outcomes=[(attempt, result)])
+            if won:  # the logs are complete whenever the run shows its success
+                logs_seal(attempt=attempt, now=Now(), **logs)
+        # Refused, yet succeeded: a retry after an ambiguous commit of this very write.
+        return won or Attempt.objects.filter(id=attempt.id, state=AttemptState.SUCCEEDED).exists()
 
     try:
         won = _with_database_retries(write)
     finally:
-        for success in successes:
-            LEASE_KEEPER.release(success.lease)
-    for success in successes:
-        if success.attempt.id in won:
-            success.summary["outcome"] = RunState.SUCCEEDED
-        else:
-            logs_discard(success.logs["placed"])
-            _count_stale(success.attempt.run_id, success.attempt)
-            success.summary["outcome"] = "stale"
+        LEASE_KEEPER.release(lease)
+    if won:
+        return RunState.SUCCEEDED
+    logs_discard(logs["placed"])
+    _count_stale(attempt.run_id, attempt)
+    return "stale"
 
 
 class PackInterrupted(Exception):

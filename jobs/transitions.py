@@ -452,7 +452,7 @@ def _finish(
     *,
     attempt_to: str,
     run_to: str,
-    now: dt.datetime | None,
+    now,
     error: str = "",
     only_if: Q | None = None,
     **run_fields,
@@ -461,8 +461,8 @@ def _finish(
     while the attempt holds the run's current fencing token. Two statements and no
     savepoint: the attempt's update is itself conditioned on its run still carrying its
     token, so once it won the run's update cannot lose (every path that moves a run out of
-    `running` ends its running attempt in the same transaction, attempt row first)."""
-    at = now or Now()
+    `running` ends its running attempt in the same transaction, attempt row first).
+    `now`: an instant, or an expression such as Now()."""
     current_run = Run.objects.filter(
         id=attempt.run_id, state=RunState.RUNNING, fencing_token=attempt.fencing_token
     )
@@ -475,33 +475,30 @@ def _finish(
         )
         if only_if is not None:
             rows = rows.filter(only_if)
-        if not rows.update(state=attempt_to, finished_at=at, error=error):
+        if not rows.update(state=attempt_to, finished_at=now, error=error):
             return False
         if not _move_runs(
             [attempt.run_id],
             run_to,
             token=attempt.fencing_token,
             from_states=[RunState.RUNNING],
-            **{key: at if value is _NOW else value for key, value in run_fields.items()},
+            **run_fields,
         ):
             # Only a hand edit of the run between the two statements gets here.
             raise RuntimeError(f"run {attempt.run_id} changed under its attempt's outcome")
         return True
 
 
-# A run field that takes the transition's own time.
-_NOW = object()
-
-
 def attempt_succeed(*, attempt: Attempt, now: dt.datetime | None = None, result=None) -> bool:
     """running -> succeeded, for the attempt and its run (`now`: by default the
     transaction's time on the database)."""
+    at = now or Now()
     return _finish(
         attempt,
         attempt_to=AttemptState.SUCCEEDED,
         run_to=RunState.SUCCEEDED,
-        now=now,
-        finished_at=_NOW,
+        now=at,
+        finished_at=at,
         result=result,
         failure_reason="",
     )

@@ -198,23 +198,6 @@ def logs_seal(
     )
 
 
-def logs_seal_many(*, sealed: list[tuple[Attempt, dict]], now) -> None:
-    """`logs_seal` for many attempts (`sealed`: (attempt, logs_seal's keyword arguments
-    but now)), in the transaction that ends them: the attempts that printed nothing, most
-    short runs, get their manifests in one statement."""
-    quiet = []
-    for attempt, logs in sealed:
-        if logs["placed"] or logs.get("shipped", True):
-            logs_seal(attempt=attempt, now=now, **logs)
-        else:
-            quiet.append(
-                LogManifest(attempt=attempt, chunk_count=0, line_count=0, byte_count=0,
-                            sha256=hashlib.sha256(b"").hexdigest(),
-                            dropped_lines=logs["dropped_lines"], created_at=now)
-            )  # fmt: skip
-    LogManifest.objects.bulk_create(quiet)
-
-
 def chunk_lines(chunk: LogChunk) -> list[dict]:
     """The chunk's lines, from the row or from the storage."""
     if chunk.storage_name:
