@@ -165,6 +165,19 @@ class ConnectionWatch(threading.Thread):
         return self.most
 
 
+def _measured(created, elapsed, web_cpu, database_cpu, statuses, watch) -> dict:
+    """One measurement's figures: rates, CPU per job, answers seen, connections held."""
+    return {
+        "seconds": round(elapsed, 2),
+        "jobs_created": created,
+        "jobs_per_second": round(created / elapsed, 1),
+        "web_cpu_ms_per_job": round(1000 * web_cpu / max(created, 1), 3),
+        "database_cpu_ms_per_job": round(1000 * database_cpu / max(created, 1), 3),
+        "statuses": {str(k): v for k, v in sorted(statuses.items())},
+        "most_db_connections": watch.stop(),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--clients", type=int, default=8)
@@ -229,13 +242,7 @@ def run(args, env: dict, workdir: Path) -> dict:
         created = Job.objects.count() - before
         figures["single"] = {
             "clients": args.clients,
-            "seconds": round(elapsed, 2),
-            "jobs_created": created,
-            "jobs_per_second": round(created / elapsed, 1),
-            "web_cpu_ms_per_job": round(1000 * web_cpu / max(created, 1), 3),
-            "database_cpu_ms_per_job": round(1000 * database_cpu / max(created, 1), 3),
-            "statuses": {str(k): v for k, v in sorted(statuses.items())},
-            "most_db_connections": watch.stop(),
+            **_measured(created, elapsed, web_cpu, database_cpu, statuses, watch),
         }
         print(
             f"POST /jobs/: {created / elapsed:.0f} jobs/s ({args.clients} clients); CPU per "
@@ -263,13 +270,7 @@ def run(args, env: dict, workdir: Path) -> dict:
             "clients": args.bulk_clients,
             "requests": args.bulk_requests,
             "size": args.bulk_size,
-            "seconds": round(elapsed, 2),
-            "jobs_created": created,
-            "jobs_per_second": round(created / elapsed, 1),
-            "web_cpu_ms_per_job": round(1000 * web_cpu / max(created, 1), 3),
-            "database_cpu_ms_per_job": round(1000 * database_cpu / max(created, 1), 3),
-            "statuses": {str(k): v for k, v in sorted(statuses.items())},
-            "most_db_connections": watch.stop(),
+            **_measured(created, elapsed, web_cpu, database_cpu, statuses, watch),
         }
         print(
             f"POST /jobs/bulk/: {created / elapsed:.0f} jobs/s ({args.bulk_clients} clients); "
