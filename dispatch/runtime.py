@@ -8,6 +8,7 @@ import dataclasses
 import datetime as dt
 import json
 import logging
+import math
 import os
 import signal
 import threading
@@ -25,11 +26,12 @@ from jobs.clock import db_now
 from jobs.counters import counter_increment
 from jobs.effects import EffectRecord, effect_once
 from jobs.models import Attempt, AttemptState, Run, RunState
+from jobs.notify import CHANNEL_SCHEDULE, notify
 from jobs.services import attempt_record_failure, run_record_duplicate_delivery
-from jobs.transitions import attempts_renew_leases, attempts_succeed, run_claim
+from jobs.transitions import attempt_release, attempts_renew_leases, attempts_succeed, runs_claim
 from logs_app.capture import LogCapture
 from logs_app.redaction import redact
-from logs_app.store import logs_discard, logs_prepare, logs_seal
+from logs_app.store import logs_discard, logs_prepare, logs_seal, logs_seal_many
 
 from .errors import NonRetryableError
 
@@ -38,6 +40,8 @@ log = logging.getLogger("dispatch.runtime")
 # How long a finished attempt keeps trying to record its outcome while the database is down.
 COMPLETION_RETRY_SECONDS = 60.0
 MAX_RESULT_BYTES = 64 * 1024
+# A packed run's success waits at most this long for the others' to be recorded with it.
+SUCCESS_BATCH_SECONDS = 0.05
 
 
 class Lease:
@@ -108,6 +112,7 @@ class LeaseKeeper:
         self._thread: threading.Thread | None = None
         self._pid = 0
         self.failing = False  # renewals fail (the database is away): retry every half second
+        self._batches: set[Successes] = set()
 
     def hold(self, attempt: Attempt, lease_seconds: float) -> Lease:
         lease = Lease(attempt, lease_seconds)
@@ -130,6 +135,17 @@ class LeaseKeeper:
     def held(self) -> list[Lease]:
         with self._lock:
             return list(self._leases.values())
+
+    def watch(self, batch: Successes) -> None:
+        """Write `batch`'s successes once the oldest waited SUCCESS_BATCH_SECONDS, should the
+        worker's thread still be busy with a later run of the pack."""
+        with self._lock:
+            self._batches.add(batch)
+        self._poke.set()
+
+    def unwatch(self, batch: Successes) -> None:
+        with self._lock:
+            self._batches.discard(batch)
 
     def renew_now(self, lease: Lease) -> bool:
         """A renewal made by the keeper's thread, on its own connection, waited for: a
@@ -159,18 +175,29 @@ class LeaseKeeper:
             connection.close()
 
     def _step(self) -> None:
-        """Renew the leases due, or sleep until the next is due (or a heartbeat pokes)."""
+        """Renew the leases due and write the successes that waited long enough, or sleep
+        until the next is due (or a heartbeat or a new success pokes)."""
         leases = self.held()
+        with self._lock:
+            batches = list(self._batches)
         now = time.monotonic()
         due = [lease for lease in leases if lease.renew_at <= now]
         if due:
             self._renew(due)
             return
+        waited = [batch for batch in batches if batch.write_at() <= now]
+        if waited:
+            for batch in waited:
+                batch.write(retry=False)
+            return
         if not leases and connection.connection is not None:
             # Only runs longer than a third of their lease ever renew: most never do, and
             # an idle process holds no connection for them.
             connection.close()
-        wake = min((lease.renew_at for lease in leases), default=now + 1.0)
+        wake = min(
+            [lease.renew_at for lease in leases] + [batch.write_at() for batch in batches],
+            default=now + 1.0,
+        )
         self._poke.wait(min(wake - now, 0.5 if self.failing else 1.0))
         self._poke.clear()
 
@@ -276,25 +303,28 @@ def _with_database_retries(write: Callable[[], T]) -> T:
             delay = min(delay * 2, 5.0)
 
 
-def _claim(*, run_id: str, worker: str, published_at: dt.datetime | None) -> Attempt | None:
-    """Claim the delivered run (one statement), retrying through a database outage for a
-    bounded time. None: not claimable (a duplicate delivery, a cancelled or unknown run).
+def _claim(*, run_ids: list[str], worker: str, published_at: str | None) -> list[Attempt | None]:
+    """Claim the delivered runs (one statement), retrying through a database outage for a
+    bounded time: an attempt for each run in order, None for a run not claimable (a
+    duplicate delivery, a cancelled or unknown run).
 
-    A retry after an ambiguous commit adopts the attempt the first try may have made."""
+    A retry after an ambiguous commit adopts the attempts the first try may have made."""
     claim_id = uuid.uuid4()
+    published = _published_at(published_at)
     tries = []
 
-    def claim() -> Attempt | None:
+    def claim() -> list[Attempt | None]:
         tries.append(1)
         if len(tries) > 1:
-            mine = (
-                Attempt.objects.select_related("run__job_version")
-                .filter(run_id=run_id, claim_id=claim_id, state=AttemptState.RUNNING)
-                .first()
-            )
-            if mine is not None:
-                return mine
-        return run_claim(run_id=run_id, worker=worker, claim_id=claim_id, published_at=published_at)
+            mine = {
+                str(attempt.run_id): attempt
+                for attempt in Attempt.objects.select_related("run__job_version").filter(
+                    run_id__in=run_ids, claim_id=claim_id, state=AttemptState.RUNNING
+                )
+            }
+            if mine:  # one statement claimed them all, or none
+                return [mine.get(str(run_id)) for run_id in run_ids]
+        return runs_claim(run_ids=run_ids, worker=worker, claim_id=claim_id, published_at=published)
 
     return _with_database_retries(claim)
 
@@ -370,30 +400,47 @@ def run_execute_delivery(
     worker: str,
     message_id: str,
     published_at: str | None = None,
-    time_limit: float | None = None,
 ) -> dict:
     """Claim, run and complete one delivered run. Returns a summary for Celery's log;
     outcome `claim_failed` means the database stayed away and the caller must deliver the
-    run again (dispatch.registry publishes the message anew). `time_limit`: the handler's
-    own soft time limit, for runs packed in one message (whose Celery limit is the pack's)."""
+    run again (dispatch.registry publishes the message anew)."""
     try:
-        attempt = _claim(run_id=run_id, worker=worker, published_at=_published_at(published_at))
+        (attempt,) = _claim(run_ids=[run_id], worker=worker, published_at=published_at)
     except (OperationalError, InterfaceError):
         log.error("could not claim run %s: the database is away", run_id)
         return {"run_id": run_id, "outcome": "claim_failed"}
     if attempt is None:
-        # The state now, not as read before the claim: a cancel may have won in between.
-        state = Run.objects.filter(id=run_id).values_list("state", flat=True).first()
-        if state == RunState.CANCELLED:
-            log.info("run %s was cancelled before a worker claimed it", run_id)
-            return {"run_id": run_id, "outcome": "cancelled"}
-        run_record_duplicate_delivery(run_id=run_id, worker=worker, message_id=message_id)
-        log.info("refused a duplicate delivery of run %s", run_id)
-        return {"run_id": run_id, "outcome": "refused"}
+        return _refused(run_id=run_id, worker=worker, message_id=message_id)
+    lease = LEASE_KEEPER.hold(attempt, attempt.run.job_version.spec["heartbeat_timeout_seconds"])
+    return _execute(attempt, lease, handler=handler, worker=worker)
 
+
+def _refused(*, run_id: str, worker: str, message_id: str) -> dict:
+    """A delivered run that could not be claimed: cancelled, or a duplicate delivery."""
+    # The state now, not as read before the claim: a cancel may have won in between.
+    state = Run.objects.filter(id=run_id).values_list("state", flat=True).first()
+    if state == RunState.CANCELLED:
+        log.info("run %s was cancelled before a worker claimed it", run_id)
+        return {"run_id": run_id, "outcome": "cancelled"}
+    run_record_duplicate_delivery(run_id=run_id, worker=worker, message_id=message_id)
+    log.info("refused a duplicate delivery of run %s", run_id)
+    return {"run_id": run_id, "outcome": "refused"}
+
+
+def _execute(
+    attempt: Attempt,
+    lease: Lease,
+    *,
+    handler: Callable,
+    worker: str,
+    time_limit: float | None = None,
+    successes: Successes | None = None,
+) -> dict:
+    """Run the claimed attempt's handler and record its outcome. `time_limit`: the
+    handler's own soft time limit, for runs packed in one message (whose Celery limit is
+    the pack's); `successes`: the pack's batch, which records a success with the others'."""
     run = attempt.run
     spec = run.job_version.spec
-    lease = LEASE_KEEPER.hold(attempt, spec["heartbeat_timeout_seconds"])
     ctx = RunContext(
         run_id=str(run.id),
         job_id=str(run.job_id),
@@ -437,19 +484,21 @@ def run_execute_delivery(
     else:
         logs = _finish_capture(capture, attempt)
         lease.finishing = True
-        outcome = _record_success(
-            attempt=attempt, result=_storable_result(result), logs=logs, lease=lease
-        )
-        return {"run_id": run_id, "attempt": attempt.number, "outcome": outcome}
+        result = _storable_result(result)
+        if successes is not None:
+            successes.add(attempt=attempt, result=result, logs=logs, lease=lease)
+            return {"run_id": str(run.id), "attempt": attempt.number, "outcome": "recording"}
+        outcome = _record_success(attempt=attempt, result=result, logs=logs, lease=lease)
+        return {"run_id": str(run.id), "attempt": attempt.number, "outcome": outcome}
 
     try:
         outcome = _with_database_retries(write)
     finally:
         LEASE_KEEPER.release(lease)
     if outcome is None:
-        _count_stale(run_id, attempt)
+        _count_stale(str(run.id), attempt)
         outcome = "stale"
-    return {"run_id": run_id, "attempt": attempt.number, "outcome": outcome}
+    return {"run_id": str(run.id), "attempt": attempt.number, "outcome": outcome}
 
 
 def _count_stale(run_id, attempt: Attempt) -> None:
@@ -457,38 +506,134 @@ def _count_stale(run_id, attempt: Attempt) -> None:
     log.warning("stale completion of run %s attempt %s refused", run_id, attempt.number)
 
 
-def _record_success(*, attempt: Attempt, result, logs: dict, lease: Lease) -> str:
-    """Record a succeeded attempt in one transaction of a few statements (attempt and run
-    in one, the log manifest in one), only while it holds its run's current token; a
-    refused one is stale, counted, its logs discarded. Returns the outcome for the log."""
+@dataclasses.dataclass
+class _Success:
+    attempt: Attempt
+    result: object
+    logs: dict
+    lease: Lease
 
-    def write() -> bool:
+
+def _succeeded(items: list[_Success], *, retry: bool = True) -> dict[int, str]:
+    """Record succeeded attempts in one transaction of a few statements (attempts and runs
+    in one, the log manifests in one or two), each only while it holds its run's current
+    token; a refused one is stale, counted, its logs discarded. Returns each attempt's
+    outcome and releases their leases. `retry=False`: one try, raising on a database error
+    with the leases still held."""
+
+    def write() -> set[int]:
         with transaction.atomic():
-            # One statement for the attempt and its run (the hot path's form).
-            won = attempt.id in attempts_succeed(outcomes=[(attempt, result)])
-            if won:  # the logs are complete whenever the run shows its success
-                logs_seal(attempt=attempt, now=Now(), **logs)
-        # Refused, yet succeeded: a retry after an ambiguous commit of this very write.
-        return won or Attempt.objects.filter(id=attempt.id, state=AttemptState.SUCCEEDED).exists()
+            # One statement for the attempts and their runs (the hot path's form).
+            won = attempts_succeed(outcomes=[(item.attempt, item.result) for item in items])
+            # The logs are complete whenever the run shows its success.
+            logs_seal_many(
+                [(item.attempt, item.logs) for item in items if item.attempt.id in won],
+                now=Now(),
+            )
+        refused = [item.attempt.id for item in items if item.attempt.id not in won]
+        if refused:
+            # Refused, yet succeeded: a retry after an ambiguous commit of this very write.
+            won |= set(
+                Attempt.objects.filter(id__in=refused, state=AttemptState.SUCCEEDED).values_list(
+                    "id", flat=True
+                )
+            )
+        return won
 
+    won = _with_database_retries(write) if retry else write()
+    outcomes = {}
+    for item in items:
+        LEASE_KEEPER.release(item.lease)
+        if item.attempt.id in won:
+            outcomes[item.attempt.id] = RunState.SUCCEEDED
+        else:
+            logs_discard(item.logs["placed"])
+            _count_stale(item.attempt.run_id, item.attempt)
+            outcomes[item.attempt.id] = "stale"
+    return outcomes
+
+
+def _record_success(*, attempt: Attempt, result, logs: dict, lease: Lease) -> str:
+    """One run's success, recorded at once (`_succeeded`)."""
     try:
-        won = _with_database_retries(write)
-    finally:
+        outcomes = _succeeded([_Success(attempt, result, logs, lease)])
+    except BaseException:
         LEASE_KEEPER.release(lease)
-    if won:
-        return RunState.SUCCEEDED
-    logs_discard(logs["placed"])
-    _count_stale(attempt.run_id, attempt)
-    return "stale"
+        raise
+    return outcomes[attempt.id]
 
 
-class PackInterrupted(Exception):
-    """A run of a packed message ended the task (a BaseException from its handler, or a
-    failure to record its outcome): the runs after it must be delivered again."""
+class Successes:
+    """The successes of one packed message's runs, recorded together: the worker's thread
+    adds each as its handler returns and writes what is left when the pack ends; the lease
+    keeper writes those that waited SUCCESS_BATCH_SECONDS, so that a long run late in the
+    pack does not hold back the successes before it. One writer at a time."""
 
-    def __init__(self, remaining: list[str]) -> None:
-        super().__init__(f"{len(remaining)} runs of the pack not reached")
-        self.remaining = remaining
+    def __init__(self) -> None:
+        self._pending: list[_Success] = []
+        self._since: float | None = None  # when the oldest pending success was added
+        self._lock = threading.Lock()
+        self._writing = threading.Lock()
+        self.outcomes: dict[int, str] = {}
+
+    def add(self, *, attempt: Attempt, result, logs: dict, lease: Lease) -> None:
+        with self._lock:
+            self._pending.append(_Success(attempt, result, logs, lease))
+            first = self._since is None
+            if first:
+                self._since = time.monotonic()
+        if first:
+            LEASE_KEEPER.watch(self)
+
+    def write_at(self) -> float:
+        since = self._since
+        return math.inf if since is None else since + SUCCESS_BATCH_SECONDS
+
+    def write(self, *, retry: bool = True) -> None:
+        """Write the pending successes. `retry=False` (the keeper): one try, and on an
+        error they stay pending for its next try or the worker's own write."""
+        with self._writing:
+            with self._lock:
+                items, self._pending, self._since = self._pending, [], None
+            if not items:
+                return
+            if retry:
+                try:
+                    self.outcomes.update(_succeeded(items))
+                except BaseException:
+                    for item in items:
+                        LEASE_KEEPER.release(item.lease)
+                    raise
+                return
+            try:
+                self.outcomes.update(_succeeded(items, retry=False))
+            except Exception:  # noqa: BLE001 - the worker's own write retries them
+                log.warning("recording packed successes failed; retrying", exc_info=True)
+                connection.close()
+                with self._lock:
+                    self._pending[:0] = items
+                    self._since = time.monotonic()
+
+
+def _release(attempts: list[Attempt], leases: dict[int, Lease]) -> None:
+    """The claimed runs of a pack that was stopped before their turn: each attempt ends
+    `lost` without having run and its run goes to `retry_wait`, due at once. One try: if
+    the database is away, their leases expire and the reaper retries them as it does any
+    lost attempt."""
+    try:
+        with transaction.atomic():
+            now = db_now()
+            released = [
+                attempt for attempt in attempts if attempt_release(attempt=attempt, now=now)
+            ]
+            if released:
+                notify(CHANNEL_SCHEDULE)  # the promoter queues them at once
+    except DatabaseError:
+        log.warning("could not release %d runs of a stopped pack", len(attempts), exc_info=True)
+    finally:
+        for attempt in attempts:
+            if attempt.id in leases:
+                LEASE_KEEPER.release(leases.pop(attempt.id))
 
 
 def run_execute_deliveries(
@@ -500,26 +645,52 @@ def run_execute_deliveries(
     published_at: str | None = None,
     time_limit: float | None = None,
 ) -> dict:
-    """The runs of one message, in order (the relay packs short runs of one task): each is
-    claimed only when its turn comes, so each has its own attempt, lease, token, deadline
-    and time limit, and is recorded on its own as it ends; the runs not yet reached stay
-    `queued`. Outcome `claim_failed` carries the runs still to deliver (`remaining`);
-    anything else that stops the pack raises PackInterrupted (from its cause) with them."""
+    """The runs of one message (the relay packs short runs of one task): claimed together
+    in one statement, each with its own attempt, lease, token and deadline; run in order,
+    each under its own time limit; their successes recorded together (`Successes`).
+    Outcome `claim_failed`: the database stayed away, nothing was claimed, and the caller
+    delivers the runs again. Anything that stops the pack part-way releases the runs not
+    reached (each back to `retry_wait`, due at once) and raises."""
+    try:
+        attempts = _claim(run_ids=run_ids, worker=worker, published_at=published_at)
+    except (OperationalError, InterfaceError):
+        log.error("could not claim %d packed runs: the database is away", len(run_ids))
+        return {"outcome": "claim_failed", "remaining": run_ids, "runs": []}
+    claimed_at = time.monotonic()
+    leases = {
+        attempt.id: LEASE_KEEPER.hold(
+            attempt, attempt.run.job_version.spec["heartbeat_timeout_seconds"]
+        )
+        for attempt in attempts
+        if attempt is not None
+    }
+    successes = Successes()
     summaries: list[dict] = []
-    for index, run_id in enumerate(run_ids):
-        try:
-            summary = run_execute_delivery(
-                run_id=run_id, handler=handler, worker=worker, message_id=message_id,
-                published_at=published_at, time_limit=time_limit,
-            )  # fmt: skip
-        except BaseException as exc:  # noqa: BLE001 - the rest of the pack must not be lost
-            # This run's own attempt, if claimed, is recorded or left to its lease.
-            if index + 1 == len(run_ids):
+    try:
+        for index, (run_id, attempt) in enumerate(zip(run_ids, attempts, strict=True)):
+            if attempt is None:
+                summaries.append(_refused(run_id=run_id, worker=worker, message_id=message_id))
+                continue
+            try:
+                # The attempt starts when its handler does, not when the pack was claimed.
+                attempt.started_at += dt.timedelta(seconds=time.monotonic() - claimed_at)
+                summary = _execute(
+                    attempt, leases.pop(attempt.id), handler=handler, worker=worker,
+                    time_limit=time_limit, successes=successes,
+                )  # fmt: skip
+            except BaseException:
+                _release([a for a in attempts[index + 1 :] if a is not None], leases)
                 raise
-            raise PackInterrupted(run_ids[index + 1 :]) from exc
-        if summary["outcome"] == "claim_failed":
-            return {"outcome": "claim_failed", "remaining": run_ids[index:], "runs": summaries}
-        summaries.append(summary)
+            summaries.append({**summary, "attempt_id": attempt.id})
+    finally:
+        try:
+            successes.write()
+        finally:
+            LEASE_KEEPER.unwatch(successes)
+    for summary in summaries:
+        attempt_id = summary.pop("attempt_id", None)
+        if summary["outcome"] == "recording":
+            summary["outcome"] = successes.outcomes[attempt_id]
     return {"outcome": "done", "runs": summaries}
 
 

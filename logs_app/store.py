@@ -175,27 +175,45 @@ def logs_seal(
     """Store the last chunks' rows and the manifest. Call inside the transaction that ends
     the attempt, after its conditional update won: all of it commits together, or none.
     `shipped`: whether chunks were stored while the attempt ran (False: `placed` is all)."""
+    logs_seal_many(
+        [(attempt, {"placed": placed, "dropped_lines": dropped_lines, "shipped": shipped})],
+        now=now,
+    )
+
+
+def logs_seal_many(sealed: list[tuple[Attempt, dict]], *, now) -> None:
+    """`logs_seal` for several attempts ended in one transaction (the runs of a packed
+    message), each with its `placed`, `dropped_lines` and `shipped`: two statements for
+    all of them, and one more read for each attempt whose chunks were shipped as it ran."""
     # One statement; a chunk the shipper stored already (a re-send) is kept as it is.
     LogChunk.objects.bulk_create(
-        [_row(attempt, item, now) for item in placed], ignore_conflicts=True
+        [_row(attempt, item, now) for attempt, logs in sealed for item in logs["placed"]],
+        ignore_conflicts=True,
     )
-    if shipped:
-        rows = list(
-            LogChunk.objects.filter(attempt=attempt)
-            .order_by("sequence")
-            .values_list("sha256", "line_count", "byte_count")
+    manifests = []
+    for attempt, logs in sealed:
+        if logs["shipped"]:
+            rows = list(
+                LogChunk.objects.filter(attempt=attempt)
+                .order_by("sequence")
+                .values_list("sha256", "line_count", "byte_count")
+            )
+        else:  # every chunk is in `placed`: no need to read them back
+            rows = [
+                (item.sha256, len(item.chunk.lines), item.byte_count) for item in logs["placed"]
+            ]
+        manifests.append(
+            LogManifest(
+                attempt=attempt,
+                chunk_count=len(rows),
+                line_count=sum(row[1] for row in rows),
+                byte_count=sum(row[2] for row in rows),
+                sha256=hashlib.sha256("".join(row[0] for row in rows).encode()).hexdigest(),
+                dropped_lines=logs["dropped_lines"],
+                created_at=now,
+            )
         )
-    else:  # every chunk is in `placed`: no need to read them back
-        rows = [(item.sha256, len(item.chunk.lines), item.byte_count) for item in placed]
-    LogManifest.objects.create(
-        attempt=attempt,
-        chunk_count=len(rows),
-        line_count=sum(row[1] for row in rows),
-        byte_count=sum(row[2] for row in rows),
-        sha256=hashlib.sha256("".join(row[0] for row in rows).encode()).hexdigest(),
-        dropped_lines=dropped_lines,
-        created_at=now,
-    )
+    LogManifest.objects.bulk_create(manifests)
 
 
 def chunk_lines(chunk: LogChunk) -> list[dict]:

@@ -44,6 +44,21 @@ def log_storage_directory():
     shutil.rmtree(settings.STORAGES["scheduler_logs"]["OPTIONS"]["location"], ignore_errors=True)
 
 
+@pytest.fixture(autouse=True)
+def _packed_successes_written_by_the_worker(request, monkeypatch):
+    """The lease keeper's thread writes a pack's waiting successes on its own connection,
+    which cannot see the rows of a test's uncommitted transaction: outside transactional
+    tests only the worker's own write (at the end of the pack) records them."""
+    marker = request.node.get_closest_marker("django_db")
+    transactional = "transactional_db" in request.fixturenames or (
+        marker is not None and marker.kwargs.get("transaction")
+    )
+    if not transactional:
+        import dispatch.runtime
+
+        monkeypatch.setattr(dispatch.runtime, "SUCCESS_BATCH_SECONDS", 3600.0)
+
+
 @pytest.fixture
 def user(db):
     return get_user_model().objects.create_user(f"user-{uuid.uuid4().hex[:8]}", password="pw")
