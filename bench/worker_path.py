@@ -1,10 +1,11 @@
 """The worker's database path in process: claim, run a no-op handler, complete.
 
-    .venv/bin/python bench/worker_path.py --runs 2000 [--profile]
+    .venv/bin/python bench/worker_path.py --runs 2000 [--profile] [--pack 20]
 
 No broker and no Celery: it measures what one delivery costs our code and PostgreSQL
 (statements per run, runs per second in one process, and with --profile the functions
-that take the time), the part of a run that bare Celery does not have.
+that take the time), the part of a run that bare Celery does not have. `--pack N`
+delivers the runs N to a message, as the relay packs a task declared `pack=N`.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--runs", type=int, default=2000)
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--pack", type=int, default=1, help="runs per delivered message")
     args = parser.parse_args()
     with bench_environment("wpath", task_modules="tests.sample_tasks"):
         measure(args)
@@ -36,7 +38,7 @@ def measure(args) -> None:
     from django.db import connection
     from django.test.utils import CaptureQueriesContext
 
-    from dispatch.runtime import run_execute_delivery
+    from dispatch.runtime import run_execute_deliveries, run_execute_delivery
     from dispatch.scheduler import SchedulerConfig, scheduler_run_once
     from jobs.clock import db_now
     from jobs.models import Run, RunState
@@ -63,6 +65,13 @@ def measure(args) -> None:
         return None
 
     def deliver_all(ids):
+        if args.pack > 1:
+            for start in range(0, len(ids), args.pack):
+                run_execute_deliveries(
+                    run_ids=ids[start : start + args.pack], handler=noop, worker="bench",
+                    message_id=ids[start], published_at=published,
+                )  # fmt: skip
+            return
         for run_id in ids:
             run_execute_delivery(
                 run_id=run_id, handler=noop, worker="bench", message_id=run_id,
