@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import cProfile
 import datetime as dt
+import os
 import pstats
 import subprocess
 import sys
@@ -111,7 +112,8 @@ def mode_pass(args) -> None:
         f"{created / elapsed:,.0f} runs/s; this process's CPU {cpu:.2f} s"
     )
     if args.profile:
-        pstats.Stats(profile).sort_stats("cumulative").print_stats(args.profile)
+        order = os.environ.get("PROFILE_SORT", "cumulative")  # or tottime
+        pstats.Stats(profile).sort_stats(order).print_stats(args.profile)
 
 
 def start_schedulers(env: dict, workdir: Path, count: int, extra: list[str]) -> list:

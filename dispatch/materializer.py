@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import datetime as dt
 
-from django.db import connection, transaction
+from django.db import transaction
 from django.db.models import F, Window
 from django.db.models.functions import RowNumber
 
@@ -26,6 +26,7 @@ from jobs.audit import audit_event
 from jobs.models import AuditEvent, Job, JobState, JobVersion, Run, RunKind, RunState
 from jobs.outbox import outbox_enqueue_runs
 from jobs.policies import misfire_plan, overlap_decision, run_jitter
+from jobs.rows import rows_insert
 from jobs.schedules import ScheduleError, job_next_fire
 from jobs.services import job_pause, jobs_pause_if_failing, run_cancel_request
 from jobs.transitions import ACTIVE_RUN_STATES, jobs_advance
@@ -42,8 +43,8 @@ OVERLAP_RUNS_PER_JOB = 100
 
 
 # What a pass reads of a claimed job (decoding the others, labels above all, would cost
-# more than the pass's own work on them).
-CLAIMED_JOB_FIELDS = ("state", "version", "spec", "next_run_at", "created_at", "resumed_at")
+# more than the pass's own work on them). Its spec is its current version's, read once.
+CLAIMED_JOB_FIELDS = ("state", "version", "next_run_at", "created_at", "resumed_at")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,12 +90,15 @@ def _claim_due_jobs(*, now: dt.datetime, limit: int) -> list[JobVersion]:
         .select_for_update(skip_locked=True)
         .values("id")[:limit]
     )
-    return list(
+    versions = list(
         JobVersion.objects.select_related("job")
         .select_for_update(of=("job",))
         .filter(job_id__in=due, version=F("job__version"))
         .only("spec", *(f"job__{field}" for field in CLAIMED_JOB_FIELDS))
     )
+    for version in versions:
+        version.job.spec = version.spec  # the job's spec is its current version's
+    return versions
 
 
 def _materialize_due_jobs(*, now: dt.datetime, limit: int) -> MaterializerResult:
@@ -168,31 +172,8 @@ def _existing_occurrences(plans: dict) -> set[tuple]:
 
 
 def _runs_insert(runs: list[Run]) -> None:
-    """The new runs, in one INSERT. On PostgreSQL its rows are unnested from one array
-    per column: a fraction of the per-value work of Django's bulk_create, which also
-    splits a batch into statements of at most 65,535 parameters; elsewhere bulk_create."""
-    if not runs:
-        return
-    if connection.vendor != "postgresql":
-        Run.objects.bulk_create(runs)
-        return
-    fields = Run._meta.concrete_fields
-    columns = []
-    for field in fields:
-        values = [field.pre_save(run, True) for run in runs]  # auto_now fields get their now
-        if field.get_internal_type() == "JSONField":
-            values = [field.get_db_prep_save(value, connection) for value in values]
-        columns.append(values)
-    names = ", ".join(connection.ops.quote_name(field.column) for field in fields)
-    arrays = ", ".join(f"%s::{field.db_type(connection)}[]" for field in fields)
-    with connection.cursor() as cursor:
-        cursor.execute(
-            f"INSERT INTO {connection.ops.quote_name(Run._meta.db_table)} ({names}) "
-            f"SELECT * FROM unnest({arrays})",
-            columns,
-        )
-    for run in runs:
-        run._state.adding, run._state.db = False, connection.alias
+    """The new runs, in one INSERT (jobs.rows: one JSON document unpacked server-side)."""
+    rows_insert(runs)
 
 
 def _overlap_runs(jobs: list[Job]) -> dict:

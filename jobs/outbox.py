@@ -5,6 +5,7 @@ transaction that saw the broker confirm it (`outbox_delete_published`).
 """
 
 import datetime as dt
+import json
 
 from django.db import connection
 from django.db.models import F
@@ -32,8 +33,14 @@ def outbox_enqueue_runs(*, runs: list[Run], now: dt.datetime) -> int:
             for run, spec in zip(runs, specs, strict=True)
         )
         return len(runs)  # SQLite: no NOTIFY, the relay polls
-    # Column arrays unnested server-side: no model instance or per-field conversion per row,
-    # which at thousands of runs a second was a third of the writer's time.
+    # The rows as one JSON document unpacked server-side (jobs.rows): no model instance,
+    # per-field conversion or array quoting per row, which at thousands of runs a second
+    # were most of the writer's time.
+    rows = [
+        {"run_id": str(run.id), "task_name": spec["task"], "queue": spec["queue"],
+         "priority": spec["priority"], "timeout_seconds": spec.get("timeout_seconds")}
+        for run, spec in zip(runs, specs, strict=True)
+    ]  # fmt: skip
     with connection.cursor() as cursor:
         cursor.execute(
             f"""
@@ -42,18 +49,11 @@ def outbox_enqueue_runs(*, runs: list[Run], now: dt.datetime) -> int:
                     created_at, publish_tries, last_error)
             SELECT run_id, gen_random_uuid(), task_name, queue, priority, timeout_seconds, %s,
                    %s, 0, ''
-              FROM unnest(%s::uuid[], %s::text[], %s::text[], %s::int[], %s::int[])
-                   AS message(run_id, task_name, queue, priority, timeout_seconds)
+              FROM jsonb_to_recordset(%s::jsonb)
+                   AS message(run_id uuid, task_name text, queue text, priority int,
+                              timeout_seconds int)
             """,
-            [
-                OutboxState.PENDING,
-                now,
-                [run.id for run in runs],
-                [spec["task"] for spec in specs],
-                [spec["queue"] for spec in specs],
-                [spec["priority"] for spec in specs],
-                [spec.get("timeout_seconds") for spec in specs],
-            ],
+            [OutboxState.PENDING, now, json.dumps(rows)],
         )
         written = cursor.rowcount
     notify(CHANNEL_OUTBOX)

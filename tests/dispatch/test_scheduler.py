@@ -19,7 +19,7 @@ from dispatch.scheduler import (
 )
 from dispatch.wakeup import Listener
 from jobs.clock import db_now
-from jobs.models import AuditEvent, Job, Run
+from jobs.models import AuditEvent, Job, JobVersion, Run
 from jobs.notify import CHANNEL_SCHEDULE
 from jobs.services import job_create, job_pause, job_resume, job_update
 from tests.factories import job_spec
@@ -33,7 +33,8 @@ def test_a_job_whose_zone_vanished_runs_its_occurrence_then_stops_visibly(make_j
         schedule={"kind": "cron", "expression": "0 * * * *", "timezone": "UTC"},
     )
     spec = job.spec | {"schedule": job.spec["schedule"] | {"timezone": "Gone/Zone"}}
-    Job.objects.filter(id=job.id).update(spec=spec)
+    Job.objects.filter(id=job.id).update(spec=spec)  # a hand edit of the current spec
+    JobVersion.objects.filter(job_id=job.id, version=job.version).update(spec=spec)
     other = make_job(
         now=NOW - dt.timedelta(minutes=30),
         schedule={"kind": "cron", "expression": "0 * * * *", "timezone": "UTC"},
