@@ -1,21 +1,12 @@
 """Operators browse jobs, runs and attempts here, and act on them through the same
 services as the API (each action is audited with its actor)."""
 
-from django.contrib import admin, messages
+from django.contrib import admin
 from django.urls import reverse
 from django.utils.html import format_html
 
-from .clock import db_now
+from .admin_actions import JOB_ACTIONS, RUN_ACTIONS
 from .models import Attempt, AuditEvent, Counter, Effect, Job, JobVersion, OutboxMessage, Run
-from .services import job_cancel, run_cancel_request, run_replay_request
-
-
-def _act(modeladmin, request, queryset, action, verb: str) -> None:
-    """Apply `action(obj)` to each selected object; report how many it changed."""
-    done = sum(bool(action(obj)) for obj in queryset[:1000])
-    refused = min(queryset.count(), 1000) - done
-    modeladmin.message_user(request, f"{verb}: {done}; refused (illegal in their state): {refused}",
-                            messages.SUCCESS if not refused else messages.WARNING)  # fmt: skip
 
 
 class ReadOnlyAdmin(admin.ModelAdmin):
@@ -45,13 +36,17 @@ class JobAdmin(ReadOnlyAdmin):
     list_filter = ("state", "task", "queue")
     search_fields = ("name", "task", "id")
     inlines = [JobVersionInline]
-    actions = ["cancel_jobs"]
+    actions = JOB_ACTIONS
 
-    @admin.action(description="Cancel the selected jobs (and their active runs)")
-    def cancel_jobs(self, request, queryset):
-        _act(self, request, queryset,
-             lambda job: job_cancel(job=job, actor=request.user, now=db_now()),
-             "cancelled")  # fmt: skip
+    # The actions' permissions (jobs/admin_actions.py): the model's custom permissions.
+    def has_pause_permission(self, request):
+        return request.user.has_perm("jobs.pause_job")
+
+    def has_cancel_permission(self, request):
+        return request.user.has_perm("jobs.cancel_job")
+
+    def has_trigger_permission(self, request):
+        return request.user.has_perm("jobs.trigger_job")
 
 
 class AttemptInline(admin.TabularInline):
@@ -95,19 +90,13 @@ class RunAdmin(ReadOnlyAdmin):
     search_fields = ("id", "job__name", "idempotency_key")
     date_hierarchy = "scheduled_for"
     inlines = [AttemptInline]
-    actions = ["cancel_runs", "replay_runs"]
+    actions = RUN_ACTIONS
 
-    @admin.action(description="Cancel the selected runs")
-    def cancel_runs(self, request, queryset):
-        _act(self, request, queryset,
-             lambda run: run_cancel_request(run=run, actor=request.user, now=db_now()),
-             "cancelled")  # fmt: skip
+    def has_cancel_permission(self, request):
+        return request.user.has_perm("jobs.cancel_run")
 
-    @admin.action(description="Replay the selected failed or cancelled runs")
-    def replay_runs(self, request, queryset):
-        _act(self, request, queryset.select_related("job_version"),
-             lambda run: run_replay_request(run=run, actor=request.user, now=db_now()),
-             "replayed")  # fmt: skip
+    def has_replay_permission(self, request):
+        return request.user.has_perm("jobs.replay_run")
 
 
 @admin.register(Attempt)
