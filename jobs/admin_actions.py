@@ -21,6 +21,7 @@ from django.template.response import TemplateResponse
 from django.utils.http import url_has_allowed_host_and_scheme
 from rest_framework import serializers
 
+from .admin_forms import validation_messages
 from .clock import db_now
 from .models import Job
 from .refusals import refusal, schedule_refusal
@@ -204,8 +205,7 @@ def backfill_jobs(modeladmin, request, queryset):
         try:
             instants = backfill_instants(job=job, **form.cleaned_data)
         except serializers.ValidationError as exc:
-            reason = "; ".join(f"{field}: {' '.join(map(str, problems))}"
-                               for field, problems in exc.detail.items())  # fmt: skip
+            reason = " ".join(validation_messages(exc.detail))
             refused[reason].append(_label(job))
             continue
         result = job_backfill(job=job, instants=instants, actor=request.user, now=now)
@@ -222,3 +222,14 @@ def backfill_jobs(modeladmin, request, queryset):
 
 JOB_ACTIONS = [pause_jobs, resume_jobs, cancel_jobs, trigger_jobs, backfill_jobs]
 RUN_ACTIONS = [cancel_runs, replay_runs]
+# The same actions as buttons on one job's or run's page.
+BUTTON_LABELS = {"pause_jobs": "Pause", "resume_jobs": "Resume", "cancel_jobs": "Cancel",
+                 "trigger_jobs": "Trigger now", "backfill_jobs": "Backfill…",
+                 "cancel_runs": "Cancel", "replay_runs": "Replay"}  # fmt: skip
+
+
+def action_buttons(modeladmin, request) -> list[dict]:
+    """The actions this user may take, as buttons for an object's page (each posts the
+    list's action for that one object, and comes back)."""
+    return [{"name": name, "label": BUTTON_LABELS.get(name, name)}
+            for name in modeladmin.get_actions(request)]  # fmt: skip

@@ -18,13 +18,6 @@ pytestmark = pytest.mark.django_db
 HOURLY = {"kind": "cron", "expression": "0 * * * *", "timezone": "UTC"}
 
 
-@pytest.fixture
-def operator(client):
-    user = get_user_model().objects.create_superuser("op", "op@example.com", "pw")
-    client.force_login(user)
-    return user
-
-
 def act(client, model: str, action: str, objects, *, url: str = "", **extra) -> tuple:
     """POST an action on `objects` from the model's list (or `url`); (response, message)."""
     response = client.post(
