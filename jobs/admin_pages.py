@@ -185,6 +185,9 @@ def run_page(*, run: Run) -> dict:
         event.data_text = _json(event.data) if event.data else ""
     return {
         "run_page": True,
+        # The page's heading: the run's __str__ (two UUIDs) runs under the action buttons.
+        "subtitle": f"{run.kind.capitalize()} run of {run.job.name}, "
+        f"{run.scheduled_for:%Y-%m-%d %H:%M:%S} UTC",
         "stages": run_stages(run),
         "attempts": attempts,
         "events": events,
