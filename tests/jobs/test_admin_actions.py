@@ -173,3 +173,16 @@ def test_each_action_needs_its_permission(client, make_job):
     assert act(client, "job", "pause_jobs", [job])[1] == "Paused 1 of 1 selected jobs."
     act(client, "job", "cancel_jobs", [job])
     assert Job.objects.get(pk=job.pk).state == "paused"
+
+
+def test_a_selection_past_the_limit_changes_nothing_and_says_so(
+    client, operator, make_job, monkeypatch
+):
+    monkeypatch.setattr("jobs.admin_actions.MAX_SELECTED", 2)
+    jobs = [make_job(name=f"j{i}", schedule=HOURLY) for i in range(3)]
+    # "Select all 3" across the list's pages.
+    _, message = act(client, "job", "pause_jobs", jobs[:1], select_across="1")
+    assert message == "Select at most 2 jobs at a time (more were selected); nothing was changed."
+    assert set(Job.objects.values_list("state", flat=True)) == {"active"}
+    _, message = act(client, "job", "pause_jobs", jobs[:2])
+    assert message == "Paused 2 of 2 selected jobs."
