@@ -4,6 +4,8 @@ keeps screenshots (tests/browser/conftest.py)."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import requests
 from selenium.webdriver.support.ui import Select
@@ -67,6 +69,40 @@ def test_pausing_a_job_from_the_admin_is_seen_through_the_api(browser):
     assert api_get(browser, f"/api/v1/jobs/{job.id}/")["state"] == "active"
 
 
+def set_body(browser, body: dict) -> None:
+    area = browser.find("textarea[name=body]")
+    browser.driver.execute_script("arguments[0].value = arguments[1];", area, json.dumps(body))
+    browser.find("input[name=_save]").click()
+
+
+def test_creating_and_editing_a_job_from_the_admin(browser):
+    browser.get("/admin/jobs/job/add/")
+    assert "scheduler.echo" in browser.find("textarea[name=body]").get_attribute("value")
+    body = {"name": "from the browser", "task": "tests.record",
+            "schedule": {"kind": "cron", "expression": "0 9 * * MON-FRI",
+                         "timezone": "Mars/Olympus"}}  # fmt: skip
+    set_body(browser, body)
+    errors = browser.wait_for_css(".errorlist").text
+    assert "schedule.timezone:" in errors
+    browser.screenshot("refused-body")
+    body["schedule"]["timezone"] = "Europe/Berlin"
+    set_body(browser, body)
+    browser.wait_for(lambda d: browser.messages(), message="no message after saving")
+    [job] = api_get(browser, "/api/v1/jobs/")["results"]
+    assert (job["name"], job["version"], job["owner"]) == ("from the browser", 1, "operator")
+
+    browser.get(f"/admin/jobs/job/{job['id']}/change/")
+    set_body(browser, {"schedule": {**body["schedule"], "expression": "30 10 * * MON-FRI"}})
+    browser.wait_for(lambda d: browser.messages(), message="no message after the edit")
+    assert api_get(browser, f"/api/v1/jobs/{job['id']}/")["version"] == 2
+    browser.get(f"/admin/jobs/job/{job['id']}/change/")
+    diff = browser.find("#job-versions").text
+    assert 'schedule.expression: "0 9 * * MON-FRI" → "30 10 * * MON-FRI"' in diff
+    assert "At 10:30, Monday through Friday" in browser.find("#job-schedule").text
+    browser.driver.execute_script("document.getElementById('job-history').scrollIntoView();")
+    browser.screenshot("history")
+
+
 def test_replaying_a_failed_run_from_its_page_makes_it_succeed(browser, stack):
     stack.scheduler()
     stack.relay()
@@ -104,8 +140,8 @@ def test_an_attempts_log_grows_in_the_browser_while_it_runs(browser, stack):
     stack.scheduler()
     stack.relay()
     stack.worker()
-    # 30 lines over 12 s; the worker ships them as they come.
-    job = one_time_job(task="faults.chatty", args=[30, 12.0])
+    # 30 lines over 15 s; the worker ships them as they come (every second).
+    job = one_time_job(task="faults.chatty", args=[30, 15.0])
     attempt = wait_for(
         lambda: Attempt.objects.filter(run__job=job).first(),
         timeout=60,
@@ -131,10 +167,14 @@ def test_an_attempts_log_grows_in_the_browser_while_it_runs(browser, stack):
     # Then the run's API gives the attempt's final word: no error.
     browser.wait_for(lambda d: browser.find("#log-no-error").text == "None.", timeout=10)
     # The breadcrumbs lead back to the run and the job.
-    assert browser.find("#crumb-run").get_attribute("href").endswith(
-        f"/admin/jobs/run/{attempt.run_id}/change/"
+    assert (
+        browser.find("#crumb-run")
+        .get_attribute("href")
+        .endswith(f"/admin/jobs/run/{attempt.run_id}/change/")
     )
-    assert browser.find("#crumb-job").get_attribute("href").endswith(
-        f"/admin/jobs/job/{job.id}/change/"
+    assert (
+        browser.find("#crumb-job")
+        .get_attribute("href")
+        .endswith(f"/admin/jobs/job/{job.id}/change/")
     )
     browser.screenshot("complete")
