@@ -1,21 +1,17 @@
 """Operators browse jobs, runs and attempts here, and act on them through the same
 services as the API (each action is audited with its actor)."""
 
-from django.contrib import admin, messages
-from django.urls import reverse
+import json
+
+from django.contrib import admin
 from django.utils.html import format_html
 
+from .admin_actions import JOB_ACTIONS, RUN_ACTIONS, action_buttons
+from .admin_forms import JobEditing
+from .admin_pages import job_page, run_page
 from .clock import db_now
-from .models import Attempt, AuditEvent, Counter, Effect, Job, JobVersion, OutboxMessage, Run
-from .services import job_cancel, run_cancel_request, run_replay_request
-
-
-def _act(modeladmin, request, queryset, action, verb: str) -> None:
-    """Apply `action(obj)` to each selected object; report how many it changed."""
-    done = sum(bool(action(obj)) for obj in queryset[:1000])
-    refused = min(queryset.count(), 1000) - done
-    modeladmin.message_user(request, f"{verb}: {done}; refused (illegal in their state): {refused}",
-                            messages.SUCCESS if not refused else messages.WARNING)  # fmt: skip
+from .models import Attempt, AuditEvent, Counter, Effect, Job, OutboxMessage, Run
+from .services import job_is_editable
 
 
 class ReadOnlyAdmin(admin.ModelAdmin):
@@ -31,55 +27,69 @@ class ReadOnlyAdmin(admin.ModelAdmin):
         return False
 
 
-class JobVersionInline(admin.TabularInline):
-    model = JobVersion
-    extra = 0
-    fields = ("version", "created_at", "created_by", "spec")
-    readonly_fields = fields
-    can_delete = False
+class OperatorPage:
+    """A change page showing what `page(obj)` adds (jobs/admin_pages.py) and the buttons of
+    the actions this user may take on the object."""
+
+    def page(self, obj) -> dict:
+        raise NotImplementedError
+
+    def change_view(self, request, object_id, form_url="", extra_context=None):
+        obj = self.get_object(request, object_id)
+        if obj is not None:
+            extra_context = {**(extra_context or {}), **self.page(obj),
+                             "action_buttons": action_buttons(self, request)}  # fmt: skip
+        return super().change_view(request, object_id, form_url, extra_context)
 
 
 @admin.register(Job)
-class JobAdmin(ReadOnlyAdmin):
+class JobAdmin(OperatorPage, JobEditing, admin.ModelAdmin):
+    """Created and edited through the API's validation and services (jobs/admin_forms.py);
+    the page shows the schedule in words, next fires, recent runs and history."""
+
     list_display = ("name", "task", "owner", "state", "version", "next_run_at", "created_at")
     list_filter = ("state", "task", "queue")
     search_fields = ("name", "task", "id")
-    inlines = [JobVersionInline]
-    actions = ["cancel_jobs"]
+    actions = JOB_ACTIONS
+    change_form_template = "admin/jobs/job/change_form.html"
+    STATE_FIELDS = ("owner", "state", "version", "next_run_at", "created_at", "updated_at")
+    readonly_fields = (*STATE_FIELDS, "body_display")
 
-    @admin.action(description="Cancel the selected jobs (and their active runs)")
-    def cancel_jobs(self, request, queryset):
-        _act(self, request, queryset,
-             lambda job: job_cancel(job=job, actor=request.user, now=db_now()),
-             "cancelled")  # fmt: skip
+    def get_fieldsets(self, request, obj=None):
+        if obj is None:
+            return [(None, {"fields": ["body"]})]
+        editable = self.has_change_permission(request, obj)
+        body = ["body", "based_on"] if editable else ["body_display"]
+        return [(None, {"fields": body}), ("State", {"fields": list(self.STATE_FIELDS)})]
 
+    @admin.display(description="body")
+    def body_display(self, job):
+        return format_html("<pre>{}</pre>", json.dumps(job.spec, indent=2, ensure_ascii=False))
 
-class AttemptInline(admin.TabularInline):
-    model = Attempt
-    extra = 0
-    fields = (
-        "number",
-        "state",
-        "fencing_token",
-        "worker",
-        "started_at",
-        "heartbeat_at",
-        "lease_expires_at",
-        "finished_at",
-        "error",
-        "logs",
-    )
-    readonly_fields = fields
-    can_delete = False
+    def page(self, job) -> dict:
+        return job_page(job=job, now=db_now())
 
-    @admin.display(description="logs")
-    def logs(self, attempt):
-        url = reverse("admin:logs_app_attempt_log", args=[attempt.id])
-        return format_html('<a href="{}">view</a>', url)
+    def has_change_permission(self, request, obj=None):
+        # A cancelled, completed or deleted job is shown, not edited (the API answers 409).
+        editable = obj is None or job_is_editable(job=obj)
+        return editable and super().has_change_permission(request, obj)
+
+    def has_delete_permission(self, request, obj=None):
+        return False  # the API's DELETE is a soft delete through job_delete
+
+    # The actions' permissions (jobs/admin_actions.py): the model's custom permissions.
+    def has_pause_permission(self, request):
+        return request.user.has_perm("jobs.pause_job")
+
+    def has_cancel_permission(self, request):
+        return request.user.has_perm("jobs.cancel_job")
+
+    def has_trigger_permission(self, request):
+        return request.user.has_perm("jobs.trigger_job")
 
 
 @admin.register(Run)
-class RunAdmin(ReadOnlyAdmin):
+class RunAdmin(OperatorPage, ReadOnlyAdmin):
     list_display = (
         "id",
         "job",
@@ -94,20 +104,17 @@ class RunAdmin(ReadOnlyAdmin):
     list_filter = ("state", "kind", "failure_reason")
     search_fields = ("id", "job__name", "idempotency_key")
     date_hierarchy = "scheduled_for"
-    inlines = [AttemptInline]
-    actions = ["cancel_runs", "replay_runs"]
+    actions = RUN_ACTIONS
+    change_form_template = "admin/jobs/run/change_form.html"
 
-    @admin.action(description="Cancel the selected runs")
-    def cancel_runs(self, request, queryset):
-        _act(self, request, queryset,
-             lambda run: run_cancel_request(run=run, actor=request.user, now=db_now()),
-             "cancelled")  # fmt: skip
+    def page(self, run) -> dict:
+        return run_page(run=run)
 
-    @admin.action(description="Replay the selected failed or cancelled runs")
-    def replay_runs(self, request, queryset):
-        _act(self, request, queryset.select_related("job_version"),
-             lambda run: run_replay_request(run=run, actor=request.user, now=db_now()),
-             "replayed")  # fmt: skip
+    def has_cancel_permission(self, request):
+        return request.user.has_perm("jobs.cancel_run")
+
+    def has_replay_permission(self, request):
+        return request.user.has_perm("jobs.replay_run")
 
 
 @admin.register(Attempt)

@@ -31,6 +31,7 @@ from .idempotency import (
     request_hash,
 )
 from .models import JobState, RunKind, RunState
+from .refusals import refusal, schedule_refusal
 from .selectors import job_get, job_history, job_list, run_get, run_history, run_list
 from .services import (
     job_backfill,
@@ -50,6 +51,7 @@ from .validation import (
     BackfillSerializer,
     JobSpecSerializer,
     PreviewSerializer,
+    backfill_instants,
     job_patched_spec,
     job_spec_check,
 )
@@ -502,14 +504,14 @@ class JobDetailApi(APIView):
             return _stale(job)
         # State first: no correction of the body would make a change of this job legal.
         if not job_is_editable(job=job):
-            return _conflict(f"a {job.state} job cannot be changed", state=job.state)
+            return _conflict(refusal("job.change", state=job.state), state=job.state)
         spec = job_patched_spec(spec=job.spec, patch=request.data)
         if not job_update(
             job=job, spec=spec, expected_version=job.version, actor=request.user, now=db_now()
         ):
             job = _visible_job(request, job_id)
             if not job_is_editable(job=job):
-                return _conflict(f"a {job.state} job cannot be changed", state=job.state)
+                return _conflict(refusal("job.change", state=job.state), state=job.state)
             return _stale(job)
         job = _visible_job(request, job_id)
         return _with_etag(Response(JobOutput(job).data), job)
@@ -591,9 +593,7 @@ class JobPauseApi(APIView):
         job = _visible_job(request, job_id)
         if not job_pause(job=job, actor=request.user, now=db_now()):
             job.refresh_from_db()
-            return _conflict(
-                f"only an active job can be paused, not a {job.state} one", state=job.state
-            )
+            return _conflict(refusal("job.pause", state=job.state), state=job.state)
         return Response(JobOutput(_visible_job(request, job_id)).data)
 
 
@@ -604,16 +604,10 @@ class JobResumeApi(APIView):
         try:
             resumed = job_resume(job=job, actor=request.user, now=db_now())
         except schedules.ScheduleError as exc:
-            return _conflict(
-                f"the job's schedule cannot be evaluated ({exc}); PATCH its schedule first, "
-                "then resume",
-                state=job.state,
-            )
+            return _conflict(schedule_refusal(exc), state=job.state)
         if not resumed:
             job.refresh_from_db()
-            return _conflict(
-                f"only a paused job can be resumed, not a {job.state} one", state=job.state
-            )
+            return _conflict(refusal("job.resume", state=job.state), state=job.state)
         return Response(JobOutput(_visible_job(request, job_id)).data)
 
 
@@ -630,7 +624,7 @@ class JobTriggerApi(APIView):
                 job.refresh_from_db()
                 return Answer(
                     status.HTTP_409_CONFLICT,
-                    {"detail": f"a {job.state} job cannot be triggered", "state": job.state},
+                    {"detail": refusal("job.trigger", state=job.state), "state": job.state},
                 )
             return Answer(
                 status.HTTP_201_CREATED, RunOutput(run_get(user=request.user, run_id=run.id)).data
@@ -666,22 +660,13 @@ class JobBackfillApi(APIView):
             now = db_now()
             window = BackfillSerializer(data=request.data, context={"now": now})
             window.is_valid(raise_exception=True)
-            try:
-                instants = schedules.backfill_occurrences(job=job, **window.validated_data)
-            except schedules.BackfillTooLarge as exc:
-                raise serializers.ValidationError(
-                    {"end": [f"{exc}; backfill a shorter range."]}
-                ) from exc
-            except schedules.ScheduleError as exc:
-                raise serializers.ValidationError(
-                    {"start": [f"The job's schedule cannot be evaluated from this start: {exc}."]}
-                ) from exc
+            instants = backfill_instants(job=job, **window.validated_data)
             result = job_backfill(job=job, instants=instants, actor=request.user, now=now)
             if result is None:
                 job.refresh_from_db()
                 return Answer(
                     status.HTTP_409_CONFLICT,
-                    {"detail": f"a {job.state} job cannot be backfilled", "state": job.state},
+                    {"detail": refusal("job.backfill", state=job.state), "state": job.state},
                 )
             body = BackfillOutput(
                 {
@@ -789,34 +774,29 @@ class JobCancelApi(APIView):
             raise Http404
         if not job_cancel(job=job, actor=request.user, now=db_now()):
             job.refresh_from_db()
-            return _conflict(f"a {job.state} job cannot be cancelled", state=job.state)
+            return _conflict(refusal("job.cancel", state=job.state), state=job.state)
         return Response(JobOutput(job_get(user=request.user, job_id=job_id)).data)
 
 
-def _run_action(request, run_id, action, refusal: str) -> Response:
-    """An operator action on a run: 404 when not visible, 409 (with `refusal` formatted by
-    the run's state) when the action is illegal in that state, else the run."""
+def _run_action(request, run_id, action, refused: str) -> Response:
+    """An operator action on a run: 404 when not visible, 409 (the `refused` action's
+    refusal, by the run's state) when the action is illegal in that state, else the run."""
     run = run_get(user=request.user, run_id=run_id)
     if run is None:
         raise Http404
     if not action(run=run, actor=request.user, now=db_now()):
         run.refresh_from_db()
-        return _conflict(refusal.format(state=run.state), state=run.state)
+        return _conflict(refusal(refused, state=run.state), state=run.state)
     return Response(RunOutput(run_get(user=request.user, run_id=run_id)).data)
 
 
 class RunCancelApi(APIView):
     @extend_schema(request=None, responses={200: RunOutput, 409: Problem})
     def post(self, request, run_id):
-        return _run_action(request, run_id, run_cancel_request, "a {state} run cannot be cancelled")
+        return _run_action(request, run_id, run_cancel_request, "run.cancel")
 
 
 class RunReplayApi(APIView):
     @extend_schema(request=None, responses={200: RunOutput, 409: Problem})
     def post(self, request, run_id):
-        return _run_action(
-            request,
-            run_id,
-            run_replay_request,
-            "only a failed or cancelled run can be replayed, not a {state} one",
-        )
+        return _run_action(request, run_id, run_replay_request, "run.replay")

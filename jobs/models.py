@@ -92,6 +92,12 @@ class Job(models.Model):
             models.Index(fields=["next_run_at"], name="job_due_idx", condition=Q(state="active")),
             models.Index(fields=["owner", "created_at"], name="job_owner_idx"),
         ]
+        # The admin's actions (jobs/admin_actions.py) each need one of these.
+        permissions = [
+            ("pause_job", "Can pause and resume jobs"),
+            ("cancel_job", "Can cancel jobs"),
+            ("trigger_job", "Can trigger and backfill jobs"),
+        ]
         constraints = [
             models.CheckConstraint(condition=Q(state__in=JobState.values), name="job_state_valid"),
         ]
@@ -181,6 +187,7 @@ class Run(models.Model):
             ),
             models.CheckConstraint(condition=Q(state__in=RunState.values), name="run_state_valid"),
         ]
+        permissions = [("cancel_run", "Can cancel runs"), ("replay_run", "Can replay runs")]
 
     def __str__(self) -> str:
         return f"run {self.id} of {self.job_id} at {self.scheduled_for:%Y-%m-%d %H:%M:%S}"

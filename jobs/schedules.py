@@ -267,10 +267,13 @@ def shortest_gap(
     return None
 
 
-def schedule_preview(*, schedule: dict, dst: dict, after: dt.datetime, count: int) -> list[dict]:
-    """The next `count` fire instants after `after`; an interval counts from `after`."""
+def schedule_preview(
+    *, schedule: dict, dst: dict, after: dt.datetime, count: int, anchor: dt.datetime | None = None
+) -> list[dict]:
+    """The next `count` fire instants after `after`; an interval counts from `anchor`
+    (default `after`)."""
     found = []
-    for occurrence in occurrences(schedule, after=after, dst=dst, anchor=after):
+    for occurrence in occurrences(schedule, after=after, dst=dst, anchor=anchor or after):
         found.append(occurrence)
         if len(found) > count:  # one more, to tell whether the last is doubled
             break
@@ -304,6 +307,18 @@ def job_next_fire(*, spec: dict, created_at: dt.datetime, after: dt.datetime) ->
         after = anchor - dt.timedelta(microseconds=1)
     instant = next_fire(spec["schedule"], after=after, dst=spec.get("dst"), anchor=anchor)
     return _within_end(spec, instant)
+
+
+def job_preview(*, job: Job, after: dt.datetime, count: int) -> list[dict]:
+    """A job's next `count` fires after `after` as `schedule_preview` gives them (DST flags
+    included), on the job's own grid and within its start_at/end_at."""
+    spec = job.spec
+    anchor = _anchor(spec, job.created_at)
+    if spec.get("start_at"):
+        after = max(after, anchor - dt.timedelta(microseconds=1))
+    found = schedule_preview(schedule=spec["schedule"], dst=spec.get("dst") or DEFAULT_DST,
+                             after=after, count=count, anchor=anchor)  # fmt: skip
+    return [fire for fire in found if _within_end(spec, fire["at"]) is not None]
 
 
 def _within_end(spec: dict, instant: dt.datetime | None) -> dt.datetime | None:

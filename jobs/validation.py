@@ -414,3 +414,17 @@ class BackfillSerializer(StrictSerializer):
                 {"end": ["Must not be in the future: the scheduler runs future occurrences."]}
             )
         return {"start": start, "end": end}
+
+
+def backfill_instants(*, job, start: dt.datetime, end: dt.datetime) -> list[dt.datetime]:
+    """The job's occurrences in a validated backfill window (BackfillSerializer's), or the
+    ValidationError naming the field when the range is too large for one request or the
+    schedule cannot be evaluated from its start."""
+    try:
+        return schedules.backfill_occurrences(job=job, start=start, end=end)
+    except schedules.BackfillTooLarge as exc:
+        raise serializers.ValidationError({"end": [f"{exc}; backfill a shorter range."]}) from exc
+    except schedules.ScheduleError as exc:
+        raise serializers.ValidationError(
+            {"start": [f"The job's schedule cannot be evaluated from this start: {exc}."]}
+        ) from exc

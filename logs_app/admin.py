@@ -1,35 +1,21 @@
 """Operators read each attempt's log here: chunk and manifest rows, read-only, and one page
-per attempt rendering its first `ADMIN_MAX_LINES` lines as text."""
+per attempt with its first `ADMIN_MAX_LINES` lines, its error beside them, a live tail while
+it runs, and breadcrumbs back to its run and job."""
 
 from django.contrib import admin
 from django.core.exceptions import PermissionDenied
 from django.shortcuts import get_object_or_404
-from django.template import engines
 from django.template.response import TemplateResponse
 from django.urls import path, reverse
 from django.utils.html import format_html
 
 from jobs.admin import ReadOnlyAdmin
-from jobs.models import Attempt
+from jobs.models import Attempt, AttemptState
 
 from .models import LogChunk, LogManifest
 from .selectors import log_lines
 
 ADMIN_MAX_LINES = 5000  # a page the browser can hold; the API serves the rest
-
-PAGE = """{% extends "admin/base_site.html" %}
-{% block content %}
-<p>Run {{ attempt.run_id }}, attempt {{ attempt.number }} ({{ attempt.state }}),
-fencing token {{ attempt.fencing_token }}.
-{% if complete %}Complete: the attempt's manifest is stored.{% else %}Incomplete: no
-manifest (the attempt is running, or ended without its worker).{% endif %}</p>
-{% if truncated %}<p><strong>Showing the first {{ shown }} lines only.</strong> The whole
-log: GET /api/v1/runs/{{ attempt.run_id }}/logs/?attempt={{ attempt.number }}&amp;format=text
-</p>{% endif %}
-<pre style="white-space: pre-wrap">{% for row in rows %}{{ row }}
-{% empty %}(no lines){% endfor %}</pre>
-{% endblock %}
-"""
 
 
 class AttemptLogLink:
@@ -63,23 +49,35 @@ class LogManifestAdmin(AttemptLogLink, ReadOnlyAdmin):
         return urls + super().get_urls()
 
     def attempt_log_view(self, request, attempt_id: int):
+        """The attempt's first ADMIN_MAX_LINES lines, its error beside them, and, while it
+        runs, a live tail in the browser (static/logs_app/live_tail.js polling the logs API)."""
         if not self.has_view_permission(request):
             raise PermissionDenied
-        attempt = get_object_or_404(Attempt, id=attempt_id)
+        attempt = get_object_or_404(Attempt.objects.select_related("run__job"), id=attempt_id)
+        run = attempt.run
         lines = log_lines(attempt=attempt, after=-1, limit=ADMIN_MAX_LINES + 1)
+        shown = lines[:ADMIN_MAX_LINES]
+        logs_url = reverse("run-logs", args=[run.id]) + f"?attempt={attempt.number}"
         context = {
             **self.admin_site.each_context(request),
-            "title": f"Log of attempt {attempt.number} of run {attempt.run_id}",
+            "title": f"Log of attempt {attempt.number} of run {run.id}",
             "attempt": attempt,
+            "run": run,
+            "others": Attempt.objects.filter(run=run).exclude(id=attempt.id).order_by("number"),
             "complete": LogManifest.objects.filter(attempt=attempt).exists(),
             "rows": [
                 f"{line['n']} {line['ts']} {line['stream']} {line['level']} {line['text']}"
-                for line in lines[:ADMIN_MAX_LINES]
+                for line in shown
             ],
+            "after": shown[-1]["n"] if shown else -1,
+            "follow": attempt.state == AttemptState.RUNNING,
+            "logs_url": logs_url,
+            "text_url": logs_url + "&format=text",
+            "run_url": reverse("run-detail", args=[run.id]),
             "shown": ADMIN_MAX_LINES,
             "truncated": len(lines) > ADMIN_MAX_LINES,
         }
-        return TemplateResponse(request, engines["django"].from_string(PAGE), context)
+        return TemplateResponse(request, "admin/logs_app/attempt_log.html", context)
 
 
 @admin.register(LogChunk)

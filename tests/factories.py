@@ -25,6 +25,11 @@ def owner(name: str = "faults"):
     return get_user_model().objects.get_or_create(username=name)[0]
 
 
+def superuser(name: str, password: str = "pw"):
+    """A superuser: every model permission, the admin's actions included."""
+    return get_user_model().objects.create_superuser(name, f"{name}@example.com", password)
+
+
 def token_for(user) -> str:
     """The user's API token (created on first use)."""
     return Token.objects.get_or_create(user=user)[0].key
