@@ -124,6 +124,9 @@ def rows(name: str, r: dict) -> list[tuple[str, str, str, str, str]]:
             out.append((f"W2 {at} p99 lateness (missed, doubled)",
                         f"{fmt(b['lateness']['p99'], 's')} ({b['missed']}, {b['doubled']})",
                         "", "", "<0.5s @1000, <1s @5000"))  # fmt: skip
+            for stage, st in b.get("stages", {}).items():
+                out.append((f"  {stage} p50 / p99", f"{fmt(st['p50'])} / {fmt(st['p99'])}",
+                            "", "", ""))  # fmt: skip
         out.append(("W2 missed / doubled", f"{r['missed']} / {r['doubled']}", "", "", "0 / 0"))
         return out
     if name == "w3":

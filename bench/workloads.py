@@ -102,11 +102,15 @@ def burst_figures(prefix: str, due: dt.datetime) -> dict:
         "first_start": min(lateness) if lateness else None,
         "lateness": summary(lateness),
         "throughput": (len(started) - 1) / span if span else None,
-        "stages": {
-            name: summary([v for run in runs if (v := _seconds(run[a], run[b])) is not None])
-            for name, a, b in STAGES
-        },
+        "stages": _stages(runs),
         **_integrity(prefix, runs),
+    }
+
+
+def _stages(runs: list[dict]) -> dict:
+    return {
+        name: summary([v for run in runs if (v := _seconds(run[a], run[b])) is not None])
+        for name, a, b in STAGES
     }
 
 
@@ -216,6 +220,7 @@ def w2(args, env: dict, workdir) -> dict:
                 "duplicate_deliveries": sum(run["duplicate_deliveries"] for run in at),
                 "lateness": summary(lateness),
                 "discovery": summary([_seconds(run["due_at"], run["created_at"]) for run in at]),
+                "stages": _stages(at),
             }
         )
     p99s = [b["lateness"]["p99"] for b in per_boundary if b["lateness"]["p99"] is not None]
@@ -400,10 +405,7 @@ def precision(args, env: dict, workdir) -> dict:
         "trials": args.trials,
         "lead": args.precision_lead,
         "lateness": summary(lateness),
-        "stages": {
-            name: summary([v for run in runs if (v := _seconds(run[a], run[b])) is not None])
-            for name, a, b in STAGES
-        },
+        "stages": _stages(runs),
         **_integrity(prefix, runs),
     }
 
