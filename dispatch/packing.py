@@ -1,7 +1,7 @@
 """Packing: the runs of a short task that a relay publishes together travel several to a
 broker message (`job_task(name, pack=N)`), so a burst costs a fraction of the messages,
-task dispatches and broker round trips. The worker claims a pack's runs together and runs
-them one after another, recording their successes together
+task dispatches and broker round trips. The worker runs a pack's runs one after another,
+each claimed when its turn comes, and records their successes together
 (dispatch.runtime.run_execute_deliveries).
 
 Only rows that would have made identical messages but for their run share one: the same

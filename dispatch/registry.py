@@ -13,8 +13,8 @@ def job_task(name: str, *, pack: int = 1, **celery_options):
     """Register `handler(ctx, *args, **kwargs)` under `name`.
 
     `pack`: for short tasks, up to this many due runs travel in one broker message, which
-    one pool process claims together and runs one after another (each with its own
-    attempt, lease, token and time limit), recording their successes together: fewer
+    one pool process runs one after another (each claimed when its turn comes, with its
+    own attempt, lease, token and time limit), recording their successes together: fewer
     messages, task dispatches and commits per run.
     Leave it at 1 for tasks that may run long: packed runs wait for the ones before them.
 
@@ -35,7 +35,7 @@ def job_task(name: str, *, pack: int = 1, **celery_options):
         ):
             # Imported at delivery, not at import: task modules (and this one, through
             # `dispatch`) load while Django's apps are still loading, before the models.
-            from .runtime import run_execute_deliveries, run_execute_delivery
+            from .runtime import PackInterrupted, run_execute_deliveries, run_execute_delivery
 
             identity = {
                 "handler": handler,
@@ -48,9 +48,15 @@ def job_task(name: str, *, pack: int = 1, **celery_options):
                 retry_with = {}
             else:
                 # A packed message carries no Celery soft limit: each run gets its own.
-                summary = run_execute_deliveries(
-                    run_ids=run_ids, time_limit=timeout_seconds, **identity
-                )
+                try:
+                    summary = run_execute_deliveries(
+                        run_ids=run_ids, time_limit=timeout_seconds, **identity
+                    )
+                except PackInterrupted as stop:
+                    # The runs not reached go back to their queue before the task ends.
+                    kwargs = {**self.request.kwargs, "run_ids": stop.remaining}
+                    self.retry(kwargs=kwargs, countdown=0, max_retries=None, throw=False)
+                    raise stop.__cause__ from None
                 retry_with = {"run_ids": summary.get("remaining")}
             if summary["outcome"] == "claim_failed":
                 # Acknowledged already and not claimed (the database stayed away): never

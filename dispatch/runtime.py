@@ -26,9 +26,8 @@ from jobs.clock import db_now
 from jobs.counters import counter_increment
 from jobs.effects import EffectRecord, effect_once
 from jobs.models import Attempt, AttemptState, Run, RunState
-from jobs.notify import CHANNEL_SCHEDULE, notify
 from jobs.services import attempt_record_failure, run_record_duplicate_delivery
-from jobs.transitions import attempt_release, attempts_renew_leases, attempts_succeed, runs_claim
+from jobs.transitions import attempts_renew_leases, attempts_succeed, run_claim
 from logs_app.capture import LogCapture
 from logs_app.redaction import redact
 from logs_app.store import logs_discard, logs_prepare, logs_seal, logs_seal_many
@@ -303,28 +302,25 @@ def _with_database_retries(write: Callable[[], T]) -> T:
             delay = min(delay * 2, 5.0)
 
 
-def _claim(*, run_ids: list[str], worker: str, published_at: str | None) -> list[Attempt | None]:
-    """Claim the delivered runs (one statement), retrying through a database outage for a
-    bounded time: an attempt for each run in order, None for a run not claimable (a
-    duplicate delivery, a cancelled or unknown run).
+def _claim(*, run_id: str, worker: str, published_at: dt.datetime | None) -> Attempt | None:
+    """Claim the delivered run (one statement), retrying through a database outage for a
+    bounded time. None: not claimable (a duplicate delivery, a cancelled or unknown run).
 
-    A retry after an ambiguous commit adopts the attempts the first try may have made."""
+    A retry after an ambiguous commit adopts the attempt the first try may have made."""
     claim_id = uuid.uuid4()
-    published = _published_at(published_at)
     tries = []
 
-    def claim() -> list[Attempt | None]:
+    def claim() -> Attempt | None:
         tries.append(1)
         if len(tries) > 1:
-            mine = {
-                str(attempt.run_id): attempt
-                for attempt in Attempt.objects.select_related("run__job_version").filter(
-                    run_id__in=run_ids, claim_id=claim_id, state=AttemptState.RUNNING
-                )
-            }
-            if mine:  # one statement claimed them all, or none
-                return [mine.get(str(run_id)) for run_id in run_ids]
-        return runs_claim(run_ids=run_ids, worker=worker, claim_id=claim_id, published_at=published)
+            mine = (
+                Attempt.objects.select_related("run__job_version")
+                .filter(run_id=run_id, claim_id=claim_id, state=AttemptState.RUNNING)
+                .first()
+            )
+            if mine is not None:
+                return mine
+        return run_claim(run_id=run_id, worker=worker, claim_id=claim_id, published_at=published_at)
 
     return _with_database_retries(claim)
 
@@ -400,19 +396,32 @@ def run_execute_delivery(
     worker: str,
     message_id: str,
     published_at: str | None = None,
+    time_limit: float | None = None,
+    successes: Successes | None = None,
 ) -> dict:
     """Claim, run and complete one delivered run. Returns a summary for Celery's log;
     outcome `claim_failed` means the database stayed away and the caller must deliver the
-    run again (dispatch.registry publishes the message anew)."""
+    run again (dispatch.registry publishes the message anew). `time_limit`: the handler's
+    own soft time limit, for runs packed in one message (whose Celery limit is the pack's);
+    `successes`: the pack's batch, which records a success with the others'."""
     try:
-        (attempt,) = _claim(run_ids=[run_id], worker=worker, published_at=published_at)
+        attempt = _claim(run_id=run_id, worker=worker, published_at=_published_at(published_at))
     except (OperationalError, InterfaceError):
         log.error("could not claim run %s: the database is away", run_id)
         return {"run_id": run_id, "outcome": "claim_failed"}
     if attempt is None:
         return _refused(run_id=run_id, worker=worker, message_id=message_id)
     lease = LEASE_KEEPER.hold(attempt, attempt.run.job_version.spec["heartbeat_timeout_seconds"])
-    return _execute(attempt, lease, handler=handler, worker=worker)
+    try:
+        return _execute(
+            attempt, lease, handler=handler, worker=worker, time_limit=time_limit,
+            successes=successes,
+        )  # fmt: skip
+    except BaseException:
+        # Whatever stopped it before an outcome was written (the lease is released once:
+        # a second release of the same lease does nothing).
+        LEASE_KEEPER.release(lease)
+        raise
 
 
 def _refused(*, run_id: str, worker: str, message_id: str) -> dict:
@@ -436,9 +445,7 @@ def _execute(
     time_limit: float | None = None,
     successes: Successes | None = None,
 ) -> dict:
-    """Run the claimed attempt's handler and record its outcome. `time_limit`: the
-    handler's own soft time limit, for runs packed in one message (whose Celery limit is
-    the pack's); `successes`: the pack's batch, which records a success with the others'."""
+    """Run the claimed attempt's handler and record its outcome."""
     run = attempt.run
     spec = run.job_version.spec
     ctx = RunContext(
@@ -487,7 +494,8 @@ def _execute(
         result = _storable_result(result)
         if successes is not None:
             successes.add(attempt=attempt, result=result, logs=logs, lease=lease)
-            return {"run_id": str(run.id), "attempt": attempt.number, "outcome": "recording"}
+            return {"run_id": str(run.id), "attempt": attempt.number, "outcome": "recording",
+                    "attempt_id": attempt.id}  # fmt: skip
         outcome = _record_success(attempt=attempt, result=result, logs=logs, lease=lease)
         return {"run_id": str(run.id), "attempt": attempt.number, "outcome": outcome}
 
@@ -607,33 +615,22 @@ class Successes:
                 return
             try:
                 self.outcomes.update(_succeeded(items, retry=False))
-            except Exception:  # noqa: BLE001 - the worker's own write retries them
-                log.warning("recording packed successes failed; retrying", exc_info=True)
+            except Exception as exc:  # noqa: BLE001 - the worker's own write retries them
+                log.warning("recording %d packed successes failed (%s); retrying", len(items), exc)
                 connection.close()
                 with self._lock:
                     self._pending[:0] = items
-                    self._since = time.monotonic()
+                    # Not before a second from now: an outage is not retried in a busy loop.
+                    self._since = time.monotonic() + 1.0
 
 
-def _release(attempts: list[Attempt], leases: dict[int, Lease]) -> None:
-    """The claimed runs of a pack that was stopped before their turn: each attempt ends
-    `lost` without having run and its run goes to `retry_wait`, due at once. One try: if
-    the database is away, their leases expire and the reaper retries them as it does any
-    lost attempt."""
-    try:
-        with transaction.atomic():
-            now = db_now()
-            released = [
-                attempt for attempt in attempts if attempt_release(attempt=attempt, now=now)
-            ]
-            if released:
-                notify(CHANNEL_SCHEDULE)  # the promoter queues them at once
-    except DatabaseError:
-        log.warning("could not release %d runs of a stopped pack", len(attempts), exc_info=True)
-    finally:
-        for attempt in attempts:
-            if attempt.id in leases:
-                LEASE_KEEPER.release(leases.pop(attempt.id))
+class PackInterrupted(Exception):
+    """A run of a packed message ended the task (a BaseException from its handler, or a
+    failure to record its outcome): the runs after it must be delivered again."""
+
+    def __init__(self, remaining: list[str]) -> None:
+        super().__init__(f"{len(remaining)} runs of the pack not reached")
+        self.remaining = remaining
 
 
 def run_execute_deliveries(
@@ -645,52 +642,38 @@ def run_execute_deliveries(
     published_at: str | None = None,
     time_limit: float | None = None,
 ) -> dict:
-    """The runs of one message (the relay packs short runs of one task): claimed together
-    in one statement, each with its own attempt, lease, token and deadline; run in order,
-    each under its own time limit; their successes recorded together (`Successes`).
-    Outcome `claim_failed`: the database stayed away, nothing was claimed, and the caller
-    delivers the runs again. Anything that stops the pack part-way releases the runs not
-    reached (each back to `retry_wait`, due at once) and raises."""
-    try:
-        attempts = _claim(run_ids=run_ids, worker=worker, published_at=published_at)
-    except (OperationalError, InterfaceError):
-        log.error("could not claim %d packed runs: the database is away", len(run_ids))
-        return {"outcome": "claim_failed", "remaining": run_ids, "runs": []}
-    claimed_at = time.monotonic()
-    leases = {
-        attempt.id: LEASE_KEEPER.hold(
-            attempt, attempt.run.job_version.spec["heartbeat_timeout_seconds"]
-        )
-        for attempt in attempts
-        if attempt is not None
-    }
+    """The runs of one message, in order (the relay packs short runs of one task): each is
+    claimed only when its turn comes, so each has its own attempt, lease, token, deadline
+    and time limit, and a run not reached yet is still `queued` (a cancel refuses it, a
+    crash leaves it to be published again); their successes are recorded together
+    (`Successes`). Outcome `claim_failed` carries the runs still to deliver (`remaining`);
+    anything else that stops the pack raises PackInterrupted (from its cause) with them."""
     successes = Successes()
     summaries: list[dict] = []
     try:
-        for index, (run_id, attempt) in enumerate(zip(run_ids, attempts, strict=True)):
-            if attempt is None:
-                summaries.append(_refused(run_id=run_id, worker=worker, message_id=message_id))
-                continue
+        for index, run_id in enumerate(run_ids):
             try:
-                # The attempt starts when its handler does, not when the pack was claimed.
-                attempt.started_at += dt.timedelta(seconds=time.monotonic() - claimed_at)
-                summary = _execute(
-                    attempt, leases.pop(attempt.id), handler=handler, worker=worker,
-                    time_limit=time_limit, successes=successes,
+                summary = run_execute_delivery(
+                    run_id=run_id, handler=handler, worker=worker, message_id=message_id,
+                    published_at=published_at, time_limit=time_limit, successes=successes,
                 )  # fmt: skip
-            except BaseException:
-                _release([a for a in attempts[index + 1 :] if a is not None], leases)
-                raise
-            summaries.append({**summary, "attempt_id": attempt.id})
+            except BaseException as exc:  # noqa: BLE001 - the rest of the pack must not be lost
+                # This run's own attempt, if claimed, is recorded or left to its lease.
+                if index + 1 == len(run_ids):
+                    raise
+                raise PackInterrupted(run_ids[index + 1 :]) from exc
+            if summary["outcome"] == "claim_failed":
+                remaining = run_ids[index:]
+                return {"outcome": "claim_failed", "remaining": remaining, "runs": summaries}
+            summaries.append(summary)
     finally:
         try:
             successes.write()
         finally:
             LEASE_KEEPER.unwatch(successes)
     for summary in summaries:
-        attempt_id = summary.pop("attempt_id", None)
         if summary["outcome"] == "recording":
-            summary["outcome"] = successes.outcomes[attempt_id]
+            summary["outcome"] = successes.outcomes[summary.pop("attempt_id")]
     return {"outcome": "done", "runs": summaries}
 
 

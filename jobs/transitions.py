@@ -262,29 +262,8 @@ def run_claim(
     whole claim is one statement: the compare-and-set that issues the token, the read of
     the spec and the attempt's insert, atomic without a transaction block of its own.
     """
-    (attempt,) = runs_claim(
-        run_ids=[run_id], worker=worker, now=now, lease_seconds=lease_seconds,
-        timeout_seconds=timeout_seconds, claim_id=claim_id, published_at=published_at,
-    )  # fmt: skip
-    return attempt
-
-
-def runs_claim(
-    *,
-    run_ids: list,
-    worker: str,
-    now: dt.datetime | None = None,
-    lease_seconds: float | None = None,
-    timeout_seconds: float | None = None,
-    claim_id: uuid.UUID | None = None,
-    published_at: dt.datetime | None = None,
-) -> list[Attempt | None]:
-    """`run_claim` for the runs of one packed message, in one statement on PostgreSQL: the
-    attempts in the order of `run_ids`, None for each run not claimable. The runs are
-    locked in id order (two deliveries of one pack cannot deadlock), and the n-th run's
-    deadline leaves room for the n - 1 before it (each bounded by its own time limit)."""
     params = {
-        "run_ids": [Run._meta.pk.get_db_prep_value(run_id, connection) for run_id in run_ids],
+        "run_id": Run._meta.pk.get_db_prep_value(run_id, connection),
         "worker": worker[:200],
         "claim_id": claim_id,
         "now": now,
@@ -295,18 +274,10 @@ def runs_claim(
         "attempt_running": AttemptState.RUNNING,
         "from_states": sorted(RUN_TRANSITIONS[RunState.RUNNING]),
     }
-    if connection.vendor == "postgresql":
-        rows = _claim_postgresql(params)
-    else:
-        rows = [_claim_portable({**params, "run_id": run_id}) for run_id in params["run_ids"]]
-        rows = [row for row in rows if row is not None]
-    by_run = {
-        str(row["id"]): _claimed_attempt(row, worker=worker, claim_id=claim_id) for row in rows
-    }
-    return [by_run.get(str(run_id)) for run_id in run_ids]
-
-
-def _claimed_attempt(row: dict, *, worker: str, claim_id) -> Attempt:
+    claim = _claim_postgresql if connection.vendor == "postgresql" else _claim_portable
+    row = claim(params)
+    if row is None:
+        return None
     version = JobVersion(id=row["job_version_id"], job_id=row["job_id"], spec=row["spec"])
     run = Run(
         id=row["id"], job_id=row["job_id"], job_version=version, kind=row["kind"],
@@ -331,38 +302,28 @@ _CLAIMED_COLUMNS = (
 )
 
 
-def _claim_postgresql(params: dict) -> list[dict]:
+def _claim_postgresql(params: dict) -> dict | None:
     run, version, attempt = (
         Run._meta.db_table, JobVersion._meta.db_table, Attempt._meta.db_table
     )  # fmt: skip
     sql = f"""
         WITH clock AS (SELECT COALESCE(%(now)s::timestamptz, clock_timestamp()) AS now),
-        wanted AS (
-            SELECT * FROM unnest(%(run_ids)s::uuid[]) WITH ORDINALITY AS w(id, position)
-        ),
-        locked AS (
-            SELECT r.id, w.position FROM {run} AS r JOIN wanted AS w ON w.id = r.id
-             WHERE r.state = ANY(%(from_states)s)
-             ORDER BY r.id
-               FOR UPDATE OF r
-        ),
         claimed AS (
             UPDATE {run} AS r
                SET state = %(running)s, fencing_token = r.fencing_token + 1,
                    attempt_count = r.attempt_count + 1, updated_at = clock.now,
                    started_at = COALESCE(r.started_at, clock.now), next_attempt_at = NULL,
                    published_at = COALESCE(r.published_at, %(published_at)s::timestamptz)
-              FROM clock, locked
-             WHERE r.id = locked.id AND r.state = ANY(%(from_states)s)
-         RETURNING {", ".join(f"r.{c.strip()}" for c in _CLAIMED_COLUMNS.split(","))},
-                   clock.now, locked.position
+              FROM clock
+             WHERE r.id = %(run_id)s AND r.state = ANY(%(from_states)s)
+         RETURNING {", ".join(f"r.{c.strip()}" for c in _CLAIMED_COLUMNS.split(","))}, clock.now
         ),
         timed AS (
             SELECT claimed.*, v.spec,
                    claimed.now + make_interval(secs => COALESCE(
                        %(lease)s::float8, (v.spec->>'heartbeat_timeout_seconds')::float8
                    )) AS lease_expires_at,
-                   claimed.now + make_interval(secs => claimed.position * COALESCE(
+                   claimed.now + make_interval(secs => COALESCE(
                        %(timeout)s::float8, (v.spec->>'timeout_seconds')::float8
                    )) AS deadline_at
               FROM claimed JOIN {version} AS v ON v.id = claimed.job_version_id
@@ -373,19 +334,19 @@ def _claim_postgresql(params: dict) -> list[dict]:
             SELECT id, attempt_count, fencing_token, %(attempt_running)s, %(worker)s,
                    %(claim_id)s, lease_expires_at, deadline_at, now, now, ''
               FROM timed
-         RETURNING id, run_id
+         RETURNING id
         )
-        SELECT timed.*, attempt.id AS attempt_id
-          FROM timed JOIN attempt ON attempt.run_id = timed.id
+        SELECT timed.*, attempt.id AS attempt_id FROM timed CROSS JOIN attempt
     """
     with connection.cursor() as cursor:
         cursor.execute(sql, params)
-        names = [column.name for column in cursor.description]
-        rows = [dict(zip(names, values, strict=True)) for values in cursor.fetchall()]
-    for row in rows:
-        if isinstance(row["spec"], str):  # Django has psycopg hand jsonb over as text
-            row["spec"] = json.loads(row["spec"])
-    return rows
+        row = cursor.fetchone()
+        if row is None:
+            return None
+        row = dict(zip([column.name for column in cursor.description], row, strict=True))
+    if isinstance(row["spec"], str):  # Django has psycopg hand jsonb over as text
+        row["spec"] = json.loads(row["spec"])
+    return row
 
 
 def _claim_portable(params: dict) -> dict | None:
@@ -486,21 +447,6 @@ def attempt_abandon(*, attempt: Attempt, now: dt.datetime, error: str) -> bool:
     )
 
 
-def attempt_release(*, attempt: Attempt, now: dt.datetime) -> bool:
-    """running -> lost for an attempt claimed with its packed message's runs whose handler
-    never started (the pack was stopped before its turn), and its run -> retry_wait, due at
-    once. It counts among the run's attempts, as a lost one does; a run whose budget it
-    used up still gets the attempt that runs, which the budget then judges."""
-    return _finish(
-        attempt,
-        attempt_to=AttemptState.LOST,
-        run_to=RunState.RETRY_WAIT,
-        now=now,
-        error="released before its handler started: the runs packed before it stopped the pack",
-        next_attempt_at=now,
-    )
-
-
 def _finish(
     attempt: Attempt,
     *,
@@ -562,10 +508,6 @@ def attempts_succeed(*, outcomes: list[tuple[Attempt, object]]) -> set[int]:
     """`attempt_succeed` for many attempts at once, each with its result: on PostgreSQL
     one statement updates the attempts and their runs together, each only while it holds
     its run's current token. The ids of the attempts that won; call inside a transaction.
-
-    Each attempt's `started_at` is written as given: a packed run claimed with the runs of
-    its message starts when its handler does (the claim's instant plus the time it waited),
-    and so does its run, on its first attempt.
     """
     if not outcomes:
         return set()
@@ -577,26 +519,23 @@ def attempts_succeed(*, outcomes: list[tuple[Attempt, object]]) -> set[int]:
             f"""
             WITH outcome AS (
                 SELECT * FROM unnest(%(ids)s::bigint[], %(runs)s::uuid[], %(tokens)s::bigint[],
-                                     %(results)s::jsonb[], %(started)s::timestamptz[])
-                           AS o(attempt_id, run_id, token, result, started)
+                                     %(results)s::jsonb[]) AS o(attempt_id, run_id, token, result)
             ),
             finished AS (
                 UPDATE {attempt_table} AS a
-                   SET state = %(attempt_succeeded)s, error = '', started_at = o.started,
+                   SET state = %(attempt_succeeded)s, error = '',
                        finished_at = STATEMENT_TIMESTAMP()
                   FROM outcome AS o
                  WHERE a.id = o.attempt_id AND a.state = %(attempt_running)s
                    AND a.fencing_token = o.token
                    AND EXISTS (SELECT 1 FROM {run_table} AS r WHERE r.id = o.run_id
                                AND r.state = %(running)s AND r.fencing_token = o.token)
-             RETURNING a.id, a.run_id, o.token, o.result, o.started
+             RETURNING a.id, a.run_id, o.token, o.result
             ),
             moved AS (
                 UPDATE {run_table} AS r
                    SET state = %(succeeded)s, finished_at = STATEMENT_TIMESTAMP(),
-                       updated_at = STATEMENT_TIMESTAMP(), result = f.result, failure_reason = '',
-                       started_at = CASE WHEN r.attempt_count = 1 THEN f.started
-                                         ELSE r.started_at END
+                       updated_at = STATEMENT_TIMESTAMP(), result = f.result, failure_reason = ''
                   FROM finished AS f
                  WHERE r.id = f.run_id AND r.state = %(running)s AND r.fencing_token = f.token
              RETURNING r.id
@@ -609,7 +548,6 @@ def attempts_succeed(*, outcomes: list[tuple[Attempt, object]]) -> set[int]:
                 "tokens": [a.fencing_token for a, _ in outcomes],
                 # None stays SQL NULL, as the ORM stores it.
                 "results": [None if r is None else json.dumps(r) for _, r in outcomes],
-                "started": [a.started_at for a, _ in outcomes],
                 "succeeded": RunState.SUCCEEDED,
                 "running": RunState.RUNNING,
                 "attempt_succeeded": AttemptState.SUCCEEDED,

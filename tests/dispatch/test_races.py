@@ -226,35 +226,26 @@ def test_an_expired_attempt_whose_run_moved_on_is_ended_alone(queued_run):
     assert (run.state, run.next_attempt_at) == (RunState.RETRY_WAIT, later(999))
 
 
-def _claims_lose_their_first_answer(monkeypatch) -> list:
-    """The first claim commits, then its answer is lost (the connection drops): the list of
-    the attempts it made, once it happened."""
+@pytest.mark.django_db(transaction=True)
+def test_a_claim_whose_commit_answer_was_lost_is_recognized_on_retry(queued_run, monkeypatch):
     from django.db import OperationalError
 
     import dispatch.runtime as runtime
-
-    real_claim = runtime.runs_claim
-    failures = []
-
-    def commits_then_loses_the_answer(**kwargs):
-        attempts = real_claim(**kwargs)  # committed
-        if not failures:
-            failures.append(attempts)
-            raise OperationalError("server closed the connection unexpectedly")
-        return attempts
-
-    monkeypatch.setattr(runtime, "runs_claim", commits_then_loses_the_answer)
-    monkeypatch.setattr(runtime.time, "sleep", lambda seconds: None)
-    return failures
-
-
-@pytest.mark.django_db(transaction=True)
-def test_a_claim_whose_commit_answer_was_lost_is_recognized_on_retry(queued_run, monkeypatch):
-
     from jobs.models import Counter
 
     run = queued_run()
-    failures = _claims_lose_their_first_answer(monkeypatch)
+    real_claim = runtime.run_claim
+    failures = []
+
+    def commits_then_loses_the_answer(**kwargs):
+        attempt = real_claim(**kwargs)  # committed
+        if not failures:
+            failures.append(attempt)
+            raise OperationalError("server closed the connection unexpectedly")
+        return attempt
+
+    monkeypatch.setattr(runtime, "run_claim", commits_then_loses_the_answer)
+    monkeypatch.setattr(runtime.time, "sleep", lambda seconds: None)
     calls = []
     result = run_execute_delivery(
         run_id=str(run.id), handler=lambda ctx: calls.append(ctx.attempt), worker="w",
@@ -266,28 +257,6 @@ def test_a_claim_whose_commit_answer_was_lost_is_recognized_on_retry(queued_run,
     run.refresh_from_db()
     assert (run.state, run.attempt_count, run.duplicate_deliveries) == (RunState.SUCCEEDED, 1, 0)
     assert not Counter.objects.filter(name="scheduler_duplicate_deliveries_total").exists()
-
-
-@pytest.mark.django_db(transaction=True)
-def test_a_packs_claim_whose_commit_answer_was_lost_adopts_every_attempt(queued_run, monkeypatch):
-
-    import dispatch.runtime as runtime
-
-    runs = [queued_run() for _ in range(3)]
-    failures = _claims_lose_their_first_answer(monkeypatch)
-    calls = []
-    result = runtime.run_execute_deliveries(
-        run_ids=[str(run.id) for run in runs], handler=lambda ctx: calls.append(ctx.run_id),
-        worker="w", message_id="m",
-    )  # fmt: skip
-
-    assert failures and calls == [str(run.id) for run in runs]
-    assert [item["outcome"] for item in result["runs"]] == [RunState.SUCCEEDED] * 3
-    for run in runs:
-        run.refresh_from_db()
-        assert (run.state, run.attempt_count, run.duplicate_deliveries) == (
-            RunState.SUCCEEDED, 1, 0
-        )  # fmt: skip
 
 
 @pytest.mark.django_db(transaction=True)

@@ -365,14 +365,14 @@ def test_a_cancel_just_before_the_claim_is_not_counted_as_a_duplicate_delivery(
 
     run = queued_run()
     publish(run)
-    real_claim = dispatch.runtime.runs_claim
+    real_claim = dispatch.runtime.run_claim
 
     def cancelled_meanwhile(**kwargs):
         # The operator's cancel commits while the worker is between its read and its claim.
         assert run_cancel_request(run=Run.objects.get(id=run.id), actor=user, now=later(1))
         return real_claim(**kwargs)
 
-    monkeypatch.setattr(dispatch.runtime, "runs_claim", cancelled_meanwhile)
+    monkeypatch.setattr(dispatch.runtime, "run_claim", cancelled_meanwhile)
 
     assert_worker_refuses_cancelled(run)
 
@@ -551,7 +551,7 @@ def test_a_delivery_whose_claim_failed_is_delivered_again(queued_run, monkeypatc
     from tests.sample_tasks import record
 
     run = queued_run(task="tests.record")
-    real_claim = dispatch.runtime.runs_claim
+    real_claim = dispatch.runtime.run_claim
     calls = []
 
     def away_once(**kwargs):
@@ -560,7 +560,7 @@ def test_a_delivery_whose_claim_failed_is_delivered_again(queued_run, monkeypatc
             raise OperationalError("connection refused")
         return real_claim(**kwargs)
 
-    monkeypatch.setattr(dispatch.runtime, "runs_claim", away_once)
+    monkeypatch.setattr(dispatch.runtime, "run_claim", away_once)
     monkeypatch.setattr(dispatch.runtime, "COMPLETION_RETRY_SECONDS", 0.0)
 
     # Eagerly applied, Celery's retry runs the task again at once, as a worker would on
@@ -608,97 +608,90 @@ def test_a_packed_run_past_its_time_limit_times_out_alone(queued_run):
     assert Run.objects.get(id=fast.id).state == RunState.SUCCEEDED
 
 
-def test_a_packed_message_whose_claim_failed_is_delivered_again_whole(queued_run, monkeypatch):
+def test_the_runs_of_a_packed_message_not_yet_claimed_are_delivered_again(queued_run, monkeypatch):
     from django.db import OperationalError
 
     import dispatch.runtime
     from tests.sample_tasks import record
 
     runs = [queued_run() for _ in range(3)]
-    real_claim = dispatch.runtime.runs_claim
-    claims = []
+    real_claim = dispatch.runtime.run_claim
+    claimed = []
 
-    def away_at_first(**kwargs):
-        claims.append(list(kwargs["run_ids"]))
-        if len(claims) == 1:
+    def away_at_the_second(**kwargs):
+        claimed.append(kwargs["run_id"])
+        if len(claimed) == 2:
             raise OperationalError("connection refused")
         return real_claim(**kwargs)
 
-    monkeypatch.setattr(dispatch.runtime, "runs_claim", away_at_first)
+    monkeypatch.setattr(dispatch.runtime, "run_claim", away_at_the_second)
     monkeypatch.setattr(dispatch.runtime, "COMPLETION_RETRY_SECONDS", 0.0)
 
     record.apply(kwargs={"run_ids": [str(run.id) for run in runs]})
 
-    # Eagerly applied, the retry ran the message again at once, with every run; each ran once.
+    # The retry carried the second and third runs only; each ran once.
     ids = [str(run.id) for run in runs]
-    assert claims == [ids, ids]
+    assert claimed == [ids[0], ids[1], ids[1], ids[2]]
     assert all(Run.objects.get(id=run.id).state == RunState.SUCCEEDED for run in runs)
     assert all(Run.objects.get(id=run.id).attempts.count() == 1 for run in runs)
 
 
-def test_a_pack_stopped_by_its_first_run_releases_the_others_at_once(queued_run):
+def test_a_pack_ended_by_its_first_run_delivers_the_others_again(queued_run, monkeypatch):
     import asyncio
 
-    from dispatch.runtime import run_execute_deliveries
+    import dispatch.runtime
+    from tests.sample_tasks import record
 
     runs = [queued_run() for _ in range(3)]
+    real_execute = dispatch.runtime.run_execute_delivery
 
     def first_interrupts(ctx, *args, **kwargs):
         if ctx.run_id == str(runs[0].id):
             raise asyncio.CancelledError()  # a BaseException: it ends the task
         return {"ok": True}
 
-    with pytest.raises(asyncio.CancelledError):
-        run_execute_deliveries(
-            run_ids=[str(run.id) for run in runs], handler=first_interrupts, worker="w",
-            message_id="m",
-        )  # fmt: skip
-
-    assert runs[0].attempts.get().state == AttemptState.FAILED
-    for run in runs[1:]:
-        run.refresh_from_db()
-        attempt = run.attempts.get()
-        assert (run.state, attempt.state) == (RunState.RETRY_WAIT, AttemptState.LOST)
-        assert "released before its handler started" in attempt.error
-        assert run.next_attempt_at <= db_now()
-    # Queued again (the promoter's move), they run, each under its next token.
-    from jobs.transitions import runs_requeue
-
-    runs_requeue(run_ids=[run.id for run in runs[1:]])
-    summary = run_execute_deliveries(
-        run_ids=[str(run.id) for run in runs[1:]], handler=first_interrupts, worker="w",
-        message_id="m2",
-    )  # fmt: skip
-    assert [item["outcome"] for item in summary["runs"]] == [RunState.SUCCEEDED] * 2
-    assert [Run.objects.get(id=run.id).fencing_token for run in runs[1:]] == [2, 2]
-
-
-def test_a_packed_runs_start_and_deadline_are_its_own(queued_run):
-    from dispatch.runtime import run_execute_deliveries
-
-    runs = [queued_run(timeout_seconds=30) for _ in range(3)]
-    started = {}
-
-    def pause(ctx, *args, **kwargs):
-        started[ctx.run_id] = time.monotonic()
-        time.sleep(0.3)
-
-    run_execute_deliveries(
-        run_ids=[str(run.id) for run in runs], handler=pause, worker="w", message_id="m"
+    monkeypatch.setattr(
+        dispatch.runtime,
+        "run_execute_delivery",
+        lambda **kwargs: real_execute(**{**kwargs, "handler": first_interrupts}),
+    )
+    published = []  # what a worker's Task.retry would publish (eagerly it publishes nothing)
+    monkeypatch.setattr(
+        record, "retry", lambda kwargs, **options: published.append(kwargs["run_ids"])
     )
 
-    attempts = [Run.objects.get(id=run.id).attempts.get() for run in runs]
-    first = attempts[0]
-    for index, (run, attempt) in enumerate(zip(runs, attempts, strict=True)):
-        run.refresh_from_db()
-        # It started when its handler did (to the worker's monotonic clock), not at the claim.
-        waited = started[str(run.id)] - started[str(runs[0].id)]
-        offset = (attempt.started_at - first.started_at).total_seconds()
-        assert abs(offset - waited) < 0.05, (index, offset, waited)
-        assert run.started_at == attempt.started_at
-        # The n-th run's deadline has room for the n - 1 before it.
-        room = (attempt.deadline_at - first.started_at).total_seconds()
-        assert 30 * (index + 1) - 1 < room <= 30 * (index + 1) + 0.05, (index, room)
+    with pytest.raises(asyncio.CancelledError):
+        record.apply(kwargs={"run_ids": [str(run.id) for run in runs]}, throw=True)
+
+    assert published == [[str(runs[1].id), str(runs[2].id)]]
+    assert runs[0].attempts.get().state == AttemptState.FAILED
+    assert [Run.objects.get(id=run.id).state for run in runs[1:]] == [RunState.QUEUED] * 2
+    # Delivered again, they run.
+    monkeypatch.setattr(dispatch.runtime, "run_execute_delivery", real_execute)
+    record.apply(kwargs={"run_ids": published[0]})
+    assert [Run.objects.get(id=run.id).state for run in runs[1:]] == [RunState.SUCCEEDED] * 2
+
+
+def test_a_packed_run_cancelled_while_it_waits_its_turn_never_runs(queued_run, user):
+    from dispatch.runtime import run_execute_deliveries
+    from jobs.services import run_cancel_request
+
+    first, waiting = queued_run(), queued_run()
+    ran = []
+
+    def handler(ctx, *args, **kwargs):
+        ran.append(ctx.run_id)
+        if ctx.run_id == str(first.id):  # the operator cancels the next run meanwhile
+            assert run_cancel_request(run=Run.objects.get(id=waiting.id), actor=user, now=later(1))
+
+    summary = run_execute_deliveries(
+        run_ids=[str(first.id), str(waiting.id)], handler=handler, worker="w", message_id="m"
+    )
+
+    assert ran == [str(first.id)]
+    assert [item["outcome"] for item in summary["runs"]] == [RunState.SUCCEEDED, "cancelled"]
+    assert Run.objects.get(id=waiting.id).state == RunState.CANCELLED
+    assert not Attempt.objects.filter(run_id=waiting.id).exists()
 
 
 @pytest.mark.django_db(transaction=True)
