@@ -1,12 +1,15 @@
 """Operators browse jobs, runs and attempts here, and act on them through the same
 services as the API (each action is audited with its actor)."""
 
+import json
+
 from django.contrib import admin, messages
 from django.urls import reverse
 from django.utils.html import format_html
 
 from .clock import db_now
 from .models import Attempt, AuditEvent, Counter, Effect, Job, JobVersion, OutboxMessage, Run
+from .redaction import redact, redact_value
 from .services import job_cancel, run_cancel_request, run_replay_request
 
 
@@ -16,6 +19,12 @@ def _act(modeladmin, request, queryset, action, verb: str) -> None:
     refused = min(queryset.count(), 1000) - done
     modeladmin.message_user(request, f"{verb}: {done}; refused (illegal in their state): {refused}",
                             messages.SUCCESS if not refused else messages.WARNING)  # fmt: skip
+
+
+def redacted_json(value) -> str:
+    """A stored JSON value (spec, args, kwargs, labels, result, audit data) as the admin
+    shows it: secret-looking values masked at any depth (jobs.redaction)."""
+    return format_html("<pre>{}</pre>", json.dumps(redact_value(value), indent=2, default=str))
 
 
 class ReadOnlyAdmin(admin.ModelAdmin):
@@ -34,9 +43,13 @@ class ReadOnlyAdmin(admin.ModelAdmin):
 class JobVersionInline(admin.TabularInline):
     model = JobVersion
     extra = 0
-    fields = ("version", "created_at", "created_by", "spec")
+    fields = ("version", "created_at", "created_by", "shown_spec")
     readonly_fields = fields
     can_delete = False
+
+    @admin.display(description="spec")
+    def shown_spec(self, version):
+        return redacted_json(version.spec)
 
 
 @admin.register(Job)
@@ -46,12 +59,27 @@ class JobAdmin(ReadOnlyAdmin):
     search_fields = ("name", "task", "id")
     inlines = [JobVersionInline]
     actions = ["cancel_jobs"]
+    exclude = ("spec", "labels")
+    readonly_fields = ("shown_spec", "shown_labels")
+
+    @admin.display(description="spec")
+    def shown_spec(self, job):
+        return redacted_json(job.spec)
+
+    @admin.display(description="labels")
+    def shown_labels(self, job):
+        return redacted_json(job.labels)
 
     @admin.action(description="Cancel the selected jobs (and their active runs)")
     def cancel_jobs(self, request, queryset):
         _act(self, request, queryset,
              lambda job: job_cancel(job=job, actor=request.user, now=db_now()),
              "cancelled")  # fmt: skip
+
+
+@admin.display(description="error")
+def attempt_error(attempt) -> str:
+    return redact(attempt.error)
 
 
 class AttemptInline(admin.TabularInline):
@@ -66,7 +94,7 @@ class AttemptInline(admin.TabularInline):
         "heartbeat_at",
         "lease_expires_at",
         "finished_at",
-        "error",
+        attempt_error,
         "logs",
     )
     readonly_fields = fields
@@ -96,6 +124,12 @@ class RunAdmin(ReadOnlyAdmin):
     date_hierarchy = "scheduled_for"
     inlines = [AttemptInline]
     actions = ["cancel_runs", "replay_runs"]
+    exclude = ("result",)
+    readonly_fields = ("shown_result",)
+
+    @admin.display(description="result")
+    def shown_result(self, run):
+        return redacted_json(run.result)
 
     @admin.action(description="Cancel the selected runs")
     def cancel_runs(self, request, queryset):
@@ -122,12 +156,20 @@ class AttemptAdmin(ReadOnlyAdmin):
         "finished_at",
     )
     list_filter = ("state",)
+    exclude = ("error",)
+    readonly_fields = (attempt_error,)
 
 
 @admin.register(AuditEvent)
 class AuditEventAdmin(ReadOnlyAdmin):
     list_display = ("created_at", "actor_label", "action", "job", "run")
     list_filter = ("action",)
+    exclude = ("data",)
+    readonly_fields = ("shown_data",)
+
+    @admin.display(description="data")
+    def shown_data(self, event):
+        return redacted_json(event.data)
 
 
 @admin.register(OutboxMessage)
