@@ -8,9 +8,20 @@ from django.urls import reverse
 from django.utils.html import format_html
 
 from .clock import db_now
-from .models import Attempt, AuditEvent, Counter, Effect, Job, JobVersion, OutboxMessage, Run
+from .models import (
+    ApiToken,
+    Attempt,
+    AuditEvent,
+    Counter,
+    Effect,
+    Job,
+    JobVersion,
+    OutboxMessage,
+    Run,
+)
 from .redaction import redact, redact_value
 from .services import job_cancel, run_cancel_request, run_replay_request
+from .tokens import tokens_revoke
 
 
 def _act(modeladmin, request, queryset, action, verb: str) -> None:
@@ -187,3 +198,23 @@ class EffectAdmin(ReadOnlyAdmin):
 @admin.register(Counter)
 class CounterAdmin(ReadOnlyAdmin):
     list_display = ("name", "labels", "value")
+
+
+@admin.register(ApiToken)
+class ApiTokenAdmin(ReadOnlyAdmin):
+    """Owner, prefix, creation and expiry; never the key (only its hash is stored, and not
+    shown either). New tokens: `manage.py drf_create_token <user>`."""
+
+    list_display = ("prefix", "owner", "name", "created_at", "expires_at", "revoked_at")
+    list_filter = ("revoked_at",)
+    search_fields = ("prefix", "owner__username", "name")
+    exclude = ("digest",)
+    actions = ["revoke_tokens"]
+
+    def has_revoke_permission(self, request) -> bool:
+        return request.user.has_perm("jobs.change_apitoken")
+
+    @admin.action(description="Revoke the selected tokens", permissions=["revoke"])
+    def revoke_tokens(self, request, queryset):
+        revoked = tokens_revoke(tokens=queryset, now=db_now())
+        self.message_user(request, f"revoked: {revoked}", messages.SUCCESS)

@@ -36,8 +36,8 @@ INSTALLED_APPS = [
     "django.contrib.messages",
     "django.contrib.staticfiles",
     "rest_framework",
-    "rest_framework.authtoken",
     "drf_spectacular",
+    "drf_spectacular_sidecar",  # Swagger UI's files, pinned, served as our static files
     "jobs",
     "dispatch",
     "logs_app",
@@ -145,7 +145,7 @@ LOGIN_URL = "/admin/login/"
 
 REST_FRAMEWORK = {
     "DEFAULT_AUTHENTICATION_CLASSES": [
-        "rest_framework.authentication.TokenAuthentication",
+        "jobs.tokens.TokenAuthentication",  # hashed at rest, expiring, revocable
         "rest_framework.authentication.SessionAuthentication",
     ],
     "DEFAULT_PERMISSION_CLASSES": ["rest_framework.permissions.IsAuthenticated"],
@@ -160,6 +160,12 @@ SPECTACULAR_SETTINGS = {
     "TITLE": "Durable job scheduler API",
     "VERSION": "1",
     "SERVE_INCLUDE_SCHEMA": False,
+    # The schema and its docs page authenticate, as every endpoint does (SPEC, "Security").
+    "SERVE_PERMISSIONS": ["rest_framework.permissions.IsAuthenticated"],
+    # Swagger UI from the pinned drf-spectacular-sidecar package, on our origin: no CDN.
+    "SWAGGER_UI_DIST": "SIDECAR",
+    "SWAGGER_UI_FAVICON_HREF": "SIDECAR",
+    "REDOC_DIST": "SIDECAR",
     "COMPONENT_SPLIT_REQUEST": True,
 }
 
@@ -172,6 +178,9 @@ LOGGING = {
 }
 
 SCHEDULER_TASK_MODULES = env.SCHEDULER_TASK_MODULES
+# Lifetime of a new API token (0: no expiry).
+SCHEDULER_TOKEN_TTL_DAYS = env.SCHEDULER_TOKEN_TTL_DAYS
+SCHEDULER_METRICS_TOKEN = env.SCHEDULER_METRICS_TOKEN
 # Size bound of a job's args, and of its kwargs, each serialized as JSON.
 SCHEDULER_MAX_PAYLOAD_BYTES = 64 * 1024
 
