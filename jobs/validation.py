@@ -241,6 +241,11 @@ class JobSpecSerializer(StrictSerializer):
     def validate_queue(self, value):
         if not QUEUE_RE.match(value):
             raise serializers.ValidationError("Letters, digits and _ . : - only (1-100).")
+        if value not in settings.SCHEDULER_QUEUES:
+            raise serializers.ValidationError(
+                f"'{value}' is not a configured queue; the operator's SCHEDULER_QUEUES allows: "
+                f"{', '.join(settings.SCHEDULER_QUEUES)}."
+            )
         return value
 
     def validate_labels(self, value):

@@ -35,6 +35,8 @@ SCHEDULER_DB_APPLICATION_NAME = os.environ.get("SCHEDULER_DB_APPLICATION_NAME", 
 # The web server serves /static/ itself (set by `standalone`, which has no other server).
 SCHEDULER_SERVE_STATIC = env_bool("SCHEDULER_SERVE_STATIC", False)
 SCHEDULER_TASK_MODULES = env_list("SCHEDULER_TASK_MODULES")
+# The only queues a job may name (comma-separated); the first is a job's default.
+SCHEDULER_QUEUES = env_list("SCHEDULER_QUEUES") or ["jobs"]
 SCHEDULER_QUEUE_TYPE = env_str("SCHEDULER_QUEUE_TYPE", "classic")
 if SCHEDULER_QUEUE_TYPE not in {"classic", "quorum"}:
     raise ValueError(

@@ -180,6 +180,8 @@ INVALID_BODIES = {
     # queue
     "queue with spaces": (job_body(queue="bad queue!"), ("queue",)),
     "empty queue": (job_body(queue=""), ("queue",)),
+    "queue outside SCHEDULER_QUEUES": (job_body(queue="amq.gen-x"), ("queue",)),
+    "another unconfigured queue": (job_body(queue="billing"), ("queue",)),
 }
 
 
@@ -345,3 +347,13 @@ def test_a_one_time_job_whose_run_at_is_before_start_at_is_refused(api):
     r = api.post("/api/v1/jobs/", body, format="json")
     assert r.status_code == 400
     assert "run_at" in r.json()["start_at"][0]
+
+
+def test_a_queue_the_operator_configured_is_accepted(api, settings):
+    settings.SCHEDULER_QUEUES = ["jobs", "billing"]
+    response = api.post("/api/v1/jobs/", job_body(queue="billing"), format="json")
+    assert response.status_code == 201, response.content
+    assert response.json()["queue"] == "billing"
+    refused = api.post("/api/v1/jobs/", job_body(queue="reports"), format="json")
+    assert refused.status_code == 400
+    assert "SCHEDULER_QUEUES" in refused.json()["queue"][0]
