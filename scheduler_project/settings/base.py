@@ -152,6 +152,7 @@ REST_FRAMEWORK = {
     "DEFAULT_RENDERER_CLASSES": ["rest_framework.renderers.JSONRenderer"],
     "DEFAULT_PARSER_CLASSES": ["jobs.parsers.JSONParser"],
     "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
+    "EXCEPTION_HANDLER": "jobs.api.api_exception_handler",
     "DEFAULT_THROTTLE_CLASSES": ["rest_framework.throttling.UserRateThrottle"],
     "DEFAULT_THROTTLE_RATES": {"user": "6000/min"},
 }
@@ -181,7 +182,10 @@ SCHEDULER_TASK_MODULES = env.SCHEDULER_TASK_MODULES
 # Lifetime of a new API token (0: no expiry).
 SCHEDULER_TOKEN_TTL_DAYS = env.SCHEDULER_TOKEN_TTL_DAYS
 SCHEDULER_METRICS_TOKEN = env.SCHEDULER_METRICS_TOKEN
-# Size bound of a job's args, and of its kwargs, each serialized as JSON.
+# Size bound of a job's args, and of its kwargs, each serialized as JSON; and of the whole
+# job body (every PATCH copies it into a new version).
 SCHEDULER_MAX_PAYLOAD_BYTES = 64 * 1024
+SCHEDULER_MAX_SPEC_BYTES = 128 * 1024  # less than args and kwargs at their limits
+SCHEDULER_OWNER_MAX_JOBS = env.SCHEDULER_OWNER_MAX_JOBS
 
 init_sentry()
