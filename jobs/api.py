@@ -384,6 +384,8 @@ def _bulk_items(data, *, now: dt.datetime) -> tuple[list, list, list, list]:
 
 
 class JobBulkApi(APIView):
+    throttle_scope = "bulk"  # jobs.throttling: tighter than the per-user rate
+
     @extend_schema(
         request=BulkItemSerializer(many=True),
         responses={201: BulkOutput, 400: BulkErrors, 409: BulkErrors},
@@ -656,6 +658,8 @@ class BackfillOutput(serializers.Serializer):
 
 
 class JobBackfillApi(APIView):
+    throttle_scope = "backfill"  # jobs.throttling: tighter than the per-user rate
+
     @extend_schema(
         request=BackfillSerializer,
         parameters=[IDEMPOTENCY_KEY],

@@ -381,3 +381,19 @@ class ApiToken(models.Model):
 
     def __str__(self) -> str:
         return f"{self.prefix}... of {self.owner_id}"
+
+
+class ThrottleWindow(models.Model):
+    """Requests counted in the current window of one (scope, user) (jobs.throttling): a
+    row in the database every web process shares, so N processes allow the rate, not N
+    times it."""
+
+    throttle_key = models.CharField(max_length=200, primary_key=True)
+    bucket = models.BigIntegerField()  # the window's number: its start / its length
+    hits = models.PositiveIntegerField()
+
+    class Meta:
+        db_table = "jobs_throttle_window"
+
+    def __str__(self) -> str:
+        return f"{self.throttle_key}: {self.hits} in window {self.bucket}"

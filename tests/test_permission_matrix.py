@@ -36,6 +36,7 @@ class Row:
 
 
 ROUTES = {
+    "admin/login/": Row(("GET",), "probe"),  # the admin's login page (jobs.throttling)
     "admin/": Row(("GET",), "admin"),
     "admin/dispatch/<path:rest>": Row(("GET",), "redirect"),
     "api/v1/jobs/": Row(("GET", "POST"), "authenticated"),

@@ -153,8 +153,17 @@ REST_FRAMEWORK = {
     "DEFAULT_PARSER_CLASSES": ["jobs.parsers.JSONParser"],
     "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
     "EXCEPTION_HANDLER": "jobs.api.api_exception_handler",
-    "DEFAULT_THROTTLE_CLASSES": ["rest_framework.throttling.UserRateThrottle"],
-    "DEFAULT_THROTTLE_RATES": {"user": "6000/min"},
+    # Counted in the database every web process shares (jobs.throttling), per user.
+    "DEFAULT_THROTTLE_CLASSES": ["jobs.throttling.UserThrottle", "jobs.throttling.ScopedThrottle"],
+    "DEFAULT_THROTTLE_RATES": {
+        "user": "6000/min",
+        "bulk": "60/min",  # up to 1,000 jobs each
+        "backfill": "60/min",
+        "logs_follow": "240/min",  # long polls of up to 25 s
+        "admin_login": "10/min",  # per client address
+        **env.SCHEDULER_THROTTLE_RATES,
+    },
+    "NUM_PROXIES": env.SCHEDULER_NUM_PROXIES,
 }
 
 SPECTACULAR_SETTINGS = {

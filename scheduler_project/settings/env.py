@@ -57,5 +57,12 @@ SCHEDULER_LOG_MAX_BYTES = int(env_str("SCHEDULER_LOG_MAX_BYTES", str(10 * 1024 *
 SCHEDULER_METRICS_TOKEN = os.environ.get("SCHEDULER_METRICS_TOKEN", "")
 # The most active and paused jobs one owner may hold (429 beyond it).
 SCHEDULER_OWNER_MAX_JOBS = int(env_str("SCHEDULER_OWNER_MAX_JOBS", "100000"))
+# Throttle rates by scope, overriding the defaults: "user=6000/min,bulk=60/min".
+SCHEDULER_THROTTLE_RATES = dict(
+    item.split("=", 1) for item in env_list("SCHEDULER_THROTTLE_RATES") if "=" in item
+)
+# Proxies in front of the web tier that append to X-Forwarded-For (0: the client address
+# is the connection's, and a client cannot choose its own throttle key).
+SCHEDULER_NUM_PROXIES = int(env_str("SCHEDULER_NUM_PROXIES", "0"))
 # Lifetime of a new API token in days (0: tokens never expire).
 SCHEDULER_TOKEN_TTL_DAYS = int(env_str("SCHEDULER_TOKEN_TTL_DAYS", "90"))
