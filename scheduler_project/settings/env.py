@@ -26,10 +26,18 @@ def env_list(name: str) -> list[str]:
 
 DATABASE_URL = env_str("DATABASE_URL", f"sqlite:///{VAR_DIR / 'scheduler.sqlite3'}")
 CELERY_BROKER_URL = env_str("CELERY_BROKER_URL", "filesystem://")
+# On embedded defaults (a database or a broker under var/), every file the process
+# writes is its owner's only (settings.base).
+USES_VAR_DIR = DATABASE_URL.startswith("sqlite") or CELERY_BROKER_URL.startswith("filesystem")
 DJANGO_SECRET_KEY = os.environ.get("DJANGO_SECRET_KEY", "")
 DJANGO_DEBUG = env_bool("DJANGO_DEBUG", False)
 DJANGO_ALLOWED_HOSTS = env_list("DJANGO_ALLOWED_HOSTS") or ["localhost", "127.0.0.1", "[::1]"]
 SENTRY_DSN = os.environ.get("SENTRY_DSN", "")
+# Production behind TLS: secure cookies, HSTS, HTTPS redirects, the proxy's SSL header.
+DJANGO_SECURE = env_bool("DJANGO_SECURE", False)
+# Origins allowed to POST with the session (the admin behind another host name), e.g.
+# https://scheduler.example.com.
+DJANGO_CSRF_TRUSTED_ORIGINS = env_list("DJANGO_CSRF_TRUSTED_ORIGINS")
 # PostgreSQL's application_name of this process's connections (standalone names its children).
 SCHEDULER_DB_APPLICATION_NAME = os.environ.get("SCHEDULER_DB_APPLICATION_NAME", "")
 # The web server serves /static/ itself (set by `standalone`, which has no other server).

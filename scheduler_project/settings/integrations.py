@@ -58,7 +58,9 @@ CELERY_ENABLE_UTC = True
 if EMBEDDED_BROKER:
     _broker_dir = env.VAR_DIR / "broker"
     for _folder in ("messages", "control", "processed"):
-        (_broker_dir / _folder).mkdir(parents=True, exist_ok=True)
+        (_broker_dir / _folder).mkdir(parents=True, exist_ok=True, mode=0o700)
+    for _path in (_broker_dir, *_broker_dir.iterdir()):
+        _path.chmod(0o700)  # its owner's only, as all of var/ (settings.base)
     CELERY_BROKER_TRANSPORT_OPTIONS = {
         "data_folder_in": str(_broker_dir / "messages"),
         "data_folder_out": str(_broker_dir / "messages"),
