@@ -1,15 +1,19 @@
 """Canary secrets at several depths in a job's args and kwargs, and in the result its
 handler returns, never appear in any admin page, in the run's logs or in its stored result
-(SPEC, "Security"), while the API still returns the owner's own args as given."""
+(SPEC, "Security"), while the API still returns the owner's own args as given; nor does an
+API key, in the admin or in a dump of the token table."""
 
 import pytest
 from django.contrib import admin
 from django.contrib.auth import get_user_model
+from django.db import connection
 from django.urls import reverse
+from django.utils import timezone
 
 from dispatch.runtime import run_execute_delivery
-from jobs.models import Attempt, Run
+from jobs.models import ApiToken, Attempt, Run
 from jobs.registry import _handlers
+from jobs.tokens import token_create
 from tests.factories import api_client, stored_lines
 
 ARGS = [{"password": "canary-a1"}, ["x", {"deep": {"api_key": ["canary-a2"]}}]]
@@ -54,9 +58,15 @@ def test_canaries_never_surface_in_the_admin_logs_or_stored_result(client, user,
     logs = "\n".join(line["text"] for line in stored_lines(run))
     assert "echo run" in logs and "canary" not in logs
 
+    _, key = token_create(owner=user, now=timezone.now(), name="ci")
     superuser = get_user_model().objects.create_superuser("root", "r@example.com", "pw")
     client.force_login(superuser)
     pages = _admin_pages(client)
+    assert "/admin/jobs/apitoken/" in pages
+    assert not [url for url, page in pages.items() if key in page]
+    with connection.cursor() as cursor:
+        cursor.execute(f"SELECT * FROM {ApiToken._meta.db_table}")
+        assert key not in repr(cursor.fetchall())
     assert f"/admin/jobs/job/{run.job_id}/change/" in pages
     assert f"/admin/jobs/run/{run.id}/change/" in pages
     assert any("[REDACTED]" in page for page in pages.values())
