@@ -21,6 +21,7 @@ which the web tier must keep bounded (docs/connections.md). --json writes the fi
 from __future__ import annotations
 
 import argparse
+import datetime as dt
 import http.client
 import json
 import multiprocessing
@@ -200,13 +201,15 @@ def main() -> None:
 def run(args, env: dict, workdir: Path) -> dict:
     from django.conf import settings
     from django.contrib.auth import get_user_model
-    from rest_framework.authtoken.models import Token
 
     from jobs.models import Job
 
     clients = max(args.clients, args.bulk_clients)
+    from jobs.tokens import token_create
+
+    now = dt.datetime.now(dt.UTC)
     tokens = [
-        Token.objects.create(user=get_user_model().objects.create_user(f"bench{i}")).key
+        token_create(owner=get_user_model().objects.create_user(f"bench{i}"), now=now)[1]
         for i in range(clients)
     ]
     port = _free_port()

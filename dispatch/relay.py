@@ -27,15 +27,19 @@ import struct
 import time
 import uuid
 
+from amqp.exceptions import ChannelError
 from amqp.serialization import dumps as amqp_dumps
 from celery import current_app
 from django.db import transaction
 from kombu import Connection, Producer
 from kombu.serialization import dumps as kombu_dumps
 
-from jobs.models import OutboxMessage, OutboxState
+from jobs.audit import audit_record
+from jobs.models import FailureReason, OutboxMessage, OutboxState
 from jobs.outbox import outbox_delete_published, outbox_record_failure
+from jobs.redaction import redact
 from jobs.registry import task_pack_size
+from jobs.transitions import run_give_up
 
 from .config import config_require
 from .failpoints import failpoint
@@ -62,10 +66,16 @@ class RelayConfig:
     # The sleep when the outbox is empty; the relay command also wakes on a NOTIFY from
     # every writer of outbox rows (jobs.outbox), so this is only the safety net.
     poll_interval: float = 1.0
+    # A queue the broker refuses on the channel (declared with other arguments or type, a
+    # reserved `amq.` name, no permission): its messages are tried in this many steps, then
+    # their runs fail `undeliverable` with the broker's reason.
+    max_refusals: int = 5
 
     def __post_init__(self) -> None:
         config_require(
-            self, at_least_one=("batch_size",), positive=("confirm_timeout", "poll_interval")
+            self,
+            at_least_one=("batch_size", "max_refusals"),
+            positive=("confirm_timeout", "poll_interval"),
         )
 
 
@@ -73,6 +83,7 @@ class RelayConfig:
 class RelayResult:
     published: int
     batch_full: bool
+    undeliverable: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -192,8 +203,13 @@ class ConfirmingPublisher:
         if self._settled(delivery_tag, multiple):
             self.nacked = True
 
-    def _declare(self, queue_name: str):
+    def declare(self, queue_name: str):
         """The Celery queue of that name, declared once per channel."""
+        self._open()
+        return self._declare(queue_name)
+
+    def _declare(self, queue_name: str):
+        """The Celery queue of that name, declared once per channel (open)."""
         queue = current_app.amqp.queues[queue_name]
         if queue_name not in self.declared:
             queue(self.channel).declare()
@@ -348,6 +364,14 @@ def relay_run_once(
             publisher.publish_batch_and_confirm(
                 messages, published_at=published_at, timeout=config.confirm_timeout
             )
+        except ChannelError as exc:
+            # A refusal on the channel, not an outage: one queue's messages must not hold
+            # back the others (SPEC, "Security"), so each queue goes on its own.
+            publisher.reset()
+            log.warning("the broker refused a batch (%s); publishing queue by queue", exc)
+            return _relay_queue_by_queue(
+                messages, now=now, published_at=published_at, config=config, publisher=publisher
+            )
         except BROKER_ERRORS as exc:
             publisher.reset()
             failure = exc
@@ -357,3 +381,73 @@ def relay_run_once(
             return RelayResult(published=len(ids), batch_full=len(ids) >= config.batch_size)
     outbox_record_failure(message_ids=ids, error=failure)
     raise failure
+
+
+def _relay_queue_by_queue(
+    messages: list[PendingMessage],
+    *,
+    now: dt.datetime,
+    published_at: str,
+    config: RelayConfig,
+    publisher: ConfirmingPublisher,
+) -> RelayResult:
+    """Publish a refused batch one queue at a time, in the caller's transaction: a queue the
+    broker refuses keeps its rows pending (a try counted) and, at `max_refusals` tries,
+    fails their runs `undeliverable` with the reason; an outage stops the step as usual."""
+    by_queue: dict[str, list[PendingMessage]] = {}
+    for message in messages:
+        by_queue.setdefault(message.queue, []).append(message)
+    published = undeliverable = 0
+    for queue, group in by_queue.items():
+        ids = [message.id for message in group]
+        try:
+            publisher.publish_batch_and_confirm(
+                group, published_at=published_at, timeout=config.confirm_timeout
+            )
+        except ChannelError as exc:
+            publisher.reset()
+            outbox_record_failure(message_ids=ids, error=exc)
+            undeliverable += _runs_undeliverable(queue=queue, ids=ids, reason=exc, now=now,
+                                                 config=config)  # fmt: skip
+            continue
+        outbox_delete_published(message_ids=ids)
+        published += len(ids)
+    return RelayResult(published=published, batch_full=False, undeliverable=undeliverable)
+
+
+def _runs_undeliverable(
+    *, queue: str, ids: list[int], reason: BaseException, now: dt.datetime, config: RelayConfig
+) -> int:
+    """Fail the runs of the rows among `ids` that the broker refused `max_refusals` times,
+    with its reason in their history, and delete those rows; how many runs failed."""
+    spent = OutboxMessage.objects.filter(id__in=ids, publish_tries__gte=config.max_refusals)
+    failed = 0
+    for row_id, run_id, job_id in spent.values_list("id", "run_id", "run__job_id"):
+        if run_give_up(run_id=run_id, now=now, reason=FailureReason.UNDELIVERABLE):
+            failed += 1
+            audit_record(action="run.undeliverable", by="relay", job_id=job_id, run_id=run_id,
+                         data={"queue": queue, "refusals": config.max_refusals,
+                               "reason": redact(str(reason))[:500]})  # fmt: skip
+        OutboxMessage.objects.filter(id=row_id).delete()
+    if failed:
+        log.error("queue %r refused by the broker %s times: %s runs failed undeliverable (%s)",
+                  queue, config.max_refusals, failed, reason)  # fmt: skip
+    return failed
+
+
+def queues_declare(publisher: ConfirmingPublisher, names: list[str]) -> list[str]:
+    """Declare the allowed queues (SCHEDULER_QUEUES) at a relay's start, so that a
+    misconfigured one shows at once; the names the broker refused (each logged)."""
+    refused = []
+    for name in names:
+        try:
+            publisher.declare(name)
+        except ChannelError as exc:
+            publisher.reset()
+            refused.append(name)
+            log.error("the broker refused to declare queue %r: %s", name, exc)
+        except BROKER_ERRORS as exc:
+            publisher.reset()
+            log.warning("broker unreachable (%s): queues are declared when it answers", exc)
+            break
+    return refused

@@ -26,10 +26,10 @@ from jobs.clock import db_now
 from jobs.counters import counter_increment
 from jobs.effects import EffectRecord, effect_once
 from jobs.models import Attempt, AttemptState, Run, RunState
+from jobs.redaction import redact, redact_value
 from jobs.services import attempt_record_failure, run_record_duplicate_delivery
 from jobs.transitions import attempts_renew_leases, attempts_succeed, run_claim
 from logs_app.capture import LogCapture
-from logs_app.redaction import redact
 from logs_app.store import logs_discard, logs_prepare, logs_seal, logs_seal_many
 
 from .errors import NonRetryableError
@@ -261,14 +261,15 @@ class RunContext:
 
 def _storable_result(value):
     """The handler's return value as the database can store it: JSON without NaN or NUL
-    characters (PostgreSQL's jsonb refuses both), and bounded in size."""
+    characters (PostgreSQL's jsonb refuses both), bounded in size, and with secret-looking
+    values redacted (SPEC, "Security": a result is shown to operators and in the admin)."""
     try:
         text = json.dumps(value, allow_nan=False)
     except (TypeError, ValueError, RecursionError):
         text = json.dumps(repr(value)[:MAX_RESULT_BYTES])
     if len(text) > MAX_RESULT_BYTES:
-        return {"truncated": True, "preview": text[:1000]}
-    return _without_nul(json.loads(text))
+        return {"truncated": True, "preview": redact(text[:1000])}
+    return redact_value(_without_nul(json.loads(text)))
 
 
 def _without_nul(value):

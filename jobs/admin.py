@@ -3,15 +3,25 @@ services as the API (each action is audited with its actor)."""
 
 import json
 
-from django.contrib import admin
+from django.contrib import admin, messages
 from django.utils.html import format_html
 
 from .admin_actions import JOB_ACTIONS, RUN_ACTIONS, action_buttons
 from .admin_forms import JobEditing
 from .admin_pages import job_page, run_page
 from .clock import db_now
-from .models import Attempt, AuditEvent, Counter, Effect, Job, OutboxMessage, Run
+from .models import ApiToken, Attempt, AuditEvent, Counter, Effect, Job, OutboxMessage, Run
+from .redaction import redact, redact_value
 from .services import job_is_editable
+from .tokens import tokens_revoke
+
+
+def redacted_json(value) -> str:
+    """A stored JSON value (spec, args, kwargs, labels, result, audit data) as the admin
+    shows it: secret-looking values masked at any depth (jobs.redaction)."""
+    return format_html(
+        "<pre>{}</pre>", json.dumps(redact_value(value), indent=2, ensure_ascii=False, default=str)
+    )
 
 
 class ReadOnlyAdmin(admin.ModelAdmin):
@@ -64,7 +74,7 @@ class JobAdmin(OperatorPage, JobEditing, admin.ModelAdmin):
 
     @admin.display(description="body")
     def body_display(self, job):
-        return format_html("<pre>{}</pre>", json.dumps(job.spec, indent=2, ensure_ascii=False))
+        return redacted_json(job.spec)
 
     def page(self, job) -> dict:
         return job_page(job=job, now=db_now())
@@ -106,6 +116,12 @@ class RunAdmin(OperatorPage, ReadOnlyAdmin):
     date_hierarchy = "scheduled_for"
     actions = RUN_ACTIONS
     change_form_template = "admin/jobs/run/change_form.html"
+    exclude = ("result",)
+    readonly_fields = ("shown_result",)
+
+    @admin.display(description="result")
+    def shown_result(self, run):
+        return redacted_json(run.result)
 
     def page(self, run) -> dict:
         return run_page(run=run)
@@ -129,12 +145,24 @@ class AttemptAdmin(ReadOnlyAdmin):
         "finished_at",
     )
     list_filter = ("state",)
+    exclude = ("error",)
+    readonly_fields = ("attempt_error",)
+
+    @admin.display(description="error")
+    def attempt_error(self, attempt) -> str:
+        return redact(attempt.error)
 
 
 @admin.register(AuditEvent)
 class AuditEventAdmin(ReadOnlyAdmin):
     list_display = ("created_at", "actor_label", "action", "job", "run")
     list_filter = ("action",)
+    exclude = ("data",)
+    readonly_fields = ("shown_data",)
+
+    @admin.display(description="data")
+    def shown_data(self, event):
+        return redacted_json(event.data)
 
 
 @admin.register(OutboxMessage)
@@ -152,3 +180,23 @@ class EffectAdmin(ReadOnlyAdmin):
 @admin.register(Counter)
 class CounterAdmin(ReadOnlyAdmin):
     list_display = ("name", "labels", "value")
+
+
+@admin.register(ApiToken)
+class ApiTokenAdmin(ReadOnlyAdmin):
+    """Owner, prefix, creation and expiry; never the key (only its hash is stored, and not
+    shown either). New tokens: `manage.py drf_create_token <user>`."""
+
+    list_display = ("prefix", "owner", "name", "created_at", "expires_at", "revoked_at")
+    list_filter = ("revoked_at",)
+    search_fields = ("prefix", "owner__username", "name")
+    exclude = ("digest",)
+    actions = ["revoke_tokens"]
+
+    def has_revoke_permission(self, request) -> bool:
+        return request.user.has_perm("jobs.change_apitoken")
+
+    @admin.action(description="Revoke the selected tokens", permissions=["revoke"])
+    def revoke_tokens(self, request, queryset):
+        revoked = tokens_revoke(tokens=queryset, now=db_now())
+        self.message_user(request, f"revoked: {revoked}", messages.SUCCESS)

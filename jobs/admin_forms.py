@@ -19,6 +19,7 @@ from rest_framework import serializers
 
 from .clock import db_now
 from .models import Job
+from .redaction import redact_value, unmask
 from .refusals import refusal
 from .registry import registered_task_names
 from .services import job_create, job_is_editable, job_update
@@ -77,7 +78,8 @@ class JobBodyForm(forms.ModelForm):
                 f"the job's owner is you. Registered tasks: {tasks}."
             )
         else:
-            body.initial = self.instance.spec
+            # Shown with its secrets masked: left as shown, they are kept (jobs.redaction).
+            body.initial = redact_value(self.instance.spec)
             self.fields["based_on"].initial = self.instance.version
             body.help_text = (
                 "The job body as PATCH /api/v1/jobs/{id}/ takes it: a field left out keeps "
@@ -99,7 +101,7 @@ class JobBodyForm(forms.ModelForm):
                 raise forms.ValidationError(refusal("job.change", state=job.state))
             if data.get("based_on") != job.version:
                 raise forms.ValidationError(_moved_on(job))
-            self.spec = job_patched_spec(spec=job.spec, patch=data["body"])
+            self.spec = job_patched_spec(spec=job.spec, patch=unmask(data["body"], job.spec))
         except serializers.ValidationError as exc:
             for line in validation_messages(exc.detail):
                 self.add_error("body", line)

@@ -12,6 +12,7 @@ from django.urls import reverse
 
 from . import schedules
 from .models import Attempt, Job, Run
+from .redaction import redact, redact_value
 from .selectors import job_history, run_history
 from .services import job_is_editable
 
@@ -108,7 +109,9 @@ def job_page(*, job: Job, now: dt.datetime) -> dict:
     history = job_history(job=job)
     for version in history["versions"]:
         for change in version["changes"]:
-            change["from_text"], change["to_text"] = _json(change["from"]), _json(change["to"])
+            # A change is shown under its field's name: a secret-looking field is masked whole.
+            shown = redact_value({change["field"]: [change["from"], change["to"]]})
+            change["from_text"], change["to_text"] = (_json(v) for v in shown[change["field"]])
     for event in history["events"]:
         event.data_text = _json(event.data) if event.data else ""
     return {
@@ -126,7 +129,8 @@ def job_page(*, job: Job, now: dt.datetime) -> dict:
 
 
 def _json(value) -> str:
-    return json.dumps(value, ensure_ascii=False, default=str)
+    """A stored value as a page shows it: secret-looking values masked (jobs.redaction)."""
+    return json.dumps(redact_value(value), ensure_ascii=False, default=str)
 
 
 def duration(delta: dt.timedelta | None) -> str:
@@ -176,6 +180,7 @@ def run_page(*, run: Run) -> dict:
     """The run page's context: the timeline, the attempts newest first, the history."""
     attempts = list(Attempt.objects.filter(run=run).order_by("-number"))
     for attempt in attempts:
+        attempt.error = redact(attempt.error)  # stored redacted; shown so whatever wrote it
         attempt.took = duration(
             attempt.finished_at - attempt.started_at if attempt.finished_at else None
         )

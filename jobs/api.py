@@ -16,7 +16,7 @@ from drf_spectacular.utils import (
 from rest_framework import serializers, status
 from rest_framework.pagination import CursorPagination
 from rest_framework.response import Response
-from rest_framework.views import APIView
+from rest_framework.views import APIView, exception_handler
 
 from . import schedules
 from .clock import db_now
@@ -34,6 +34,7 @@ from .models import JobState, RunKind, RunState
 from .refusals import refusal, schedule_refusal
 from .selectors import job_get, job_history, job_list, run_get, run_history, run_list
 from .services import (
+    JobQuotaExceeded,
     job_backfill,
     job_cancel,
     job_create_bulk,
@@ -55,6 +56,14 @@ from .validation import (
     job_patched_spec,
     job_spec_check,
 )
+
+
+def api_exception_handler(exc, context):
+    """DRF's, plus the domain's refusals that are not bad input: an owner over its job
+    quota answers 429 (SPEC, "Security"); the transaction of the request rolled back."""
+    if isinstance(exc, JobQuotaExceeded):
+        return Response({"detail": str(exc)}, status=status.HTTP_429_TOO_MANY_REQUESTS)
+    return exception_handler(exc, context)
 
 
 class NewestFirst(CursorPagination):
@@ -377,6 +386,8 @@ def _bulk_items(data, *, now: dt.datetime) -> tuple[list, list, list, list]:
 
 
 class JobBulkApi(APIView):
+    throttle_scope = "bulk"  # jobs.throttling: tighter than the per-user rate
+
     @extend_schema(
         request=BulkItemSerializer(many=True),
         responses={201: BulkOutput, 400: BulkErrors, 409: BulkErrors},
@@ -641,6 +652,8 @@ class BackfillOutput(serializers.Serializer):
 
 
 class JobBackfillApi(APIView):
+    throttle_scope = "backfill"  # jobs.throttling: tighter than the per-user rate
+
     @extend_schema(
         request=BackfillSerializer,
         parameters=[IDEMPOTENCY_KEY],

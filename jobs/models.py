@@ -364,3 +364,43 @@ class Counter(models.Model):
 
     def __str__(self) -> str:
         return f"{self.name}{{{self.labels}}} {self.value}"
+
+
+class ApiToken(models.Model):
+    """An API key (`Authorization: Token <key>`), stored as the SHA-256 of the key: neither
+    the admin nor a database dump shows a usable key (jobs.tokens). A user may hold several;
+    each can expire and be revoked."""
+
+    owner = models.ForeignKey(
+        settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="api_tokens"
+    )
+    name = models.CharField(max_length=100, blank=True, default="")
+    # The key's first characters, in clear: enough to tell tokens apart, not to use one.
+    prefix = models.CharField(max_length=8)
+    digest = models.CharField(max_length=64, unique=True)
+    created_at = models.DateTimeField(default=timezone.now)
+    expires_at = models.DateTimeField(null=True, blank=True)
+    revoked_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        db_table = "jobs_api_token"
+        indexes = [models.Index(fields=["owner", "created_at"], name="api_token_owner_idx")]
+
+    def __str__(self) -> str:
+        return f"{self.prefix}... of {self.owner_id}"
+
+
+class ThrottleWindow(models.Model):
+    """Requests counted in the current window of one (scope, user) (jobs.throttling): a
+    row in the database every web process shares, so N processes allow the rate, not N
+    times it."""
+
+    throttle_key = models.CharField(max_length=200, primary_key=True)
+    bucket = models.BigIntegerField()  # the window's number: its start / its length
+    hits = models.PositiveIntegerField()
+
+    class Meta:
+        db_table = "jobs_throttle_window"
+
+    def __str__(self) -> str:
+        return f"{self.throttle_key}: {self.hits} in window {self.bucket}"

@@ -12,6 +12,7 @@ from django.db.models import F
 
 from .models import OutboxMessage, OutboxState, Run
 from .notify import CHANNEL_OUTBOX, notify
+from .redaction import redact
 
 
 def outbox_enqueue_runs(*, runs: list[Run], now: dt.datetime) -> int:
@@ -83,5 +84,5 @@ def outbox_delete_published(*, message_ids: list) -> int:
 def outbox_record_failure(*, message_ids: list, error: BaseException) -> int:
     """These rows stay pending for the next try; their tries and last error make it visible."""
     return OutboxMessage.objects.filter(id__in=message_ids, state=OutboxState.PENDING).update(
-        publish_tries=F("publish_tries") + 1, last_error=repr(error)[:2000]
+        publish_tries=F("publish_tries") + 1, last_error=redact(repr(error))[:2000]
     )

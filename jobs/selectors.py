@@ -9,6 +9,7 @@ from django.db.models import Prefetch, QuerySet
 from django.db.models.fields.json import KeyTextTransform
 
 from .models import Attempt, AuditEvent, Job, JobVersion, Run
+from .roles import user_is_operator
 from .services import spec_diff
 
 # A job's history lists at most this many versions and this many events, newest first.
@@ -22,7 +23,8 @@ RUN_HISTORY_LIMIT = 500
 
 
 def _sees_everything(user: AbstractBaseUser) -> bool:
-    return bool(user.is_staff or user.groups.filter(name="operators").exists())
+    # Operators and superusers; `is_staff` alone opens the admin only (jobs.roles).
+    return user_is_operator(user)
 
 
 def job_list(*, user: AbstractBaseUser, filters: dict | None = None) -> QuerySet[Job]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import datetime as dt
 
+from django.conf import settings
 from django.contrib.auth.models import AbstractBaseUser
 from django.db import transaction
 from django.db.models import F, Max, Q, Window
@@ -43,6 +44,30 @@ def job_create(*, owner: AbstractBaseUser, spec: dict, now: dt.datetime) -> Job:
     return job_create_bulk(owner=owner, specs=[spec], now=now, bulk=False)[0]
 
 
+class JobQuotaExceeded(Exception):
+    """The owner would hold more than SCHEDULER_OWNER_MAX_JOBS unfinished jobs."""
+
+
+# The jobs that count against an owner's quota: those the scheduler still works for.
+QUOTA_STATES = (JobState.ACTIVE, JobState.PAUSED)
+
+
+def job_quota_check(*, owner: AbstractBaseUser, adding: int) -> None:
+    """JobQuotaExceeded unless the owner's active and paused jobs, with `adding` more, stay
+    within SCHEDULER_OWNER_MAX_JOBS. The count stops at the limit (a bounded scan of the
+    owner's jobs); concurrent creates of one owner may overshoot it by their own sizes."""
+    limit = settings.SCHEDULER_OWNER_MAX_JOBS
+    if not adding:
+        return
+    held = Job.objects.filter(owner=owner, deleted_at=None, state__in=QUOTA_STATES)
+    held = held.order_by().values("id")[:limit].count()
+    if held + adding > limit:
+        raise JobQuotaExceeded(
+            f"The owner holds {held} active or paused jobs; {adding} more would pass the limit "
+            f"of {limit} (SCHEDULER_OWNER_MAX_JOBS). Delete or cancel jobs first."
+        )
+
+
 def job_create_bulk(
     *,
     owner: AbstractBaseUser,
@@ -55,6 +80,7 @@ def job_create_bulk(
     statement on PostgreSQL (`POST /jobs/bulk/`, and `POST /jobs/` with one spec, `bulk`
     False: then the rows are job_create's); `specs` are already validated, and
     `first_fires` (aligned with them), when given, are their `job_first_fire` at `now`."""
+    job_quota_check(owner=owner, adding=len(specs))
     if first_fires is None:
         first_fires = [job_first_fire(spec=spec, now=now) for spec in specs]
     jobs = [

@@ -20,6 +20,9 @@ from .registry import registered_task_names
 from .retry import DEFAULT_RETRY
 
 QUEUE_RE = re.compile(r"^[A-Za-z0-9_.:-]{1,100}$")
+MAX_LABELS = 32
+LABEL_KEY_MAX_CHARS = 63
+LABEL_KEY_RE = re.compile(rf"^[A-Za-z0-9_./-]{{1,{LABEL_KEY_MAX_CHARS}}}$")
 MAX_JSON_DEPTH = 32
 
 
@@ -241,11 +244,22 @@ class JobSpecSerializer(StrictSerializer):
     def validate_queue(self, value):
         if not QUEUE_RE.match(value):
             raise serializers.ValidationError("Letters, digits and _ . : - only (1-100).")
+        if value not in settings.SCHEDULER_QUEUES:
+            raise serializers.ValidationError(
+                f"'{value}' is not a configured queue; the operator's SCHEDULER_QUEUES allows: "
+                f"{', '.join(settings.SCHEDULER_QUEUES)}."
+            )
         return value
 
     def validate_labels(self, value):
-        if len(value) > 32:
-            raise serializers.ValidationError("At most 32 labels.")
+        if len(value) > MAX_LABELS:
+            raise serializers.ValidationError(f"At most {MAX_LABELS} labels.")
+        for key in value:
+            if not LABEL_KEY_RE.match(key):
+                raise serializers.ValidationError(
+                    f"Label key {key[:80]!r}: 1-{LABEL_KEY_MAX_CHARS} letters, digits and "
+                    "_ . / - only."
+                )
         return value
 
     NESTED_DEFAULTS = {"retry": RetrySerializer, "misfire": MisfireSerializer, "dst": DstSerializer}
@@ -271,6 +285,12 @@ class JobSpecSerializer(StrictSerializer):
                         ]
                     }
                 )
+        size = len(json.dumps(attrs, default=str).encode())
+        if size > settings.SCHEDULER_MAX_SPEC_BYTES:
+            raise serializers.ValidationError(
+                f"The job body is {size} bytes as JSON, the limit is "
+                f"{settings.SCHEDULER_MAX_SPEC_BYTES}."
+            )
         if attrs["start_at"] and attrs["end_at"] and attrs["end_at"] <= attrs["start_at"]:
             raise serializers.ValidationError({"end_at": ["Must be later than start_at."]})
         schedule = attrs["schedule"]

@@ -16,10 +16,12 @@ from drf_spectacular.utils import OpenApiExample, extend_schema
 from rest_framework import serializers
 from rest_framework.renderers import BaseRenderer, JSONRenderer
 from rest_framework.response import Response
+from rest_framework.settings import api_settings
 from rest_framework.utils.urls import replace_query_param
 from rest_framework.views import APIView
 
 from jobs.selectors import run_get
+from jobs.throttling import LogFollowThrottle
 
 from .selectors import LogPage, log_attempts, log_page, log_text
 
@@ -109,6 +111,8 @@ class LogPageOutput(serializers.Serializer):
 
 class RunLogsApi(APIView):
     renderer_classes = [JSONRenderer, PlainTextRenderer]
+    # A long poll holds a web worker thread: its own, tighter rate besides the user's.
+    throttle_classes = [*api_settings.DEFAULT_THROTTLE_CLASSES, LogFollowThrottle]
 
     @extend_schema(
         parameters=[LogQuery],

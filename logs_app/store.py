@@ -19,9 +19,9 @@ from django.core.files.storage import storages
 from django.db import transaction
 
 from jobs.models import Attempt, AttemptState
+from jobs.redaction import redact
 
 from .models import LogChunk, LogManifest
-from .redaction import redact
 
 log = logging.getLogger("logs_app")
 

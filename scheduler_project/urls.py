@@ -5,7 +5,7 @@ from django.urls import include, path, re_path
 from django.views.generic import RedirectView
 from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
 
-from jobs import ops
+from jobs import ops, throttling
 
 urlpatterns = [
     # The outbox, effects and counters moved from the dispatch app to jobs: old links work.
@@ -13,6 +13,7 @@ urlpatterns = [
         "admin/dispatch/<path:rest>",
         RedirectView.as_view(url="/admin/jobs/%(rest)s", permanent=False, query_string=True),
     ),
+    path("admin/login/", throttling.admin_login),  # the admin's own, its POSTs throttled
     path("admin/", admin.site.urls),
     path("api/v1/", include("jobs.urls")),
     path("api/v1/", include("logs_app.urls")),

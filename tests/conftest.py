@@ -76,6 +76,17 @@ def api(user) -> APIClient:
 
 
 @pytest.fixture
+def operator(db):
+    """A user of the `operators` group (cross-owner access through the API, /metrics)."""
+    return factories.operator()
+
+
+@pytest.fixture
+def operator_api(operator) -> APIClient:
+    return factories.api_client(operator)
+
+
+@pytest.fixture
 def make_job(user):
     """Create a job through the service layer: make_job(now=..., **body_overrides)."""
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 import datetime as dt
 
 from django.contrib.auth import get_user_model
-from rest_framework.authtoken.models import Token
 from rest_framework.test import APIClient
 
 # The instant in-process tests pin their clocks to (far from any real clock's reach).
@@ -30,9 +29,22 @@ def superuser(name: str, password: str = "pw"):
     return get_user_model().objects.create_superuser(name, f"{name}@example.com", password)
 
 
+def operator(name: str = "operator"):
+    """A member of the `operators` group named `name`, created on first use."""
+    from django.contrib.auth.models import Group
+
+    from jobs.roles import OPERATORS_GROUP
+
+    user = owner(name)
+    user.groups.add(Group.objects.get_or_create(name=OPERATORS_GROUP)[0])
+    return user
+
+
 def token_for(user) -> str:
-    """The user's API token (created on first use)."""
-    return Token.objects.get_or_create(user=user)[0].key
+    """The key of a new API token of the user (the database keeps only its hash)."""
+    from jobs.tokens import token_create
+
+    return token_create(owner=user, now=dt.datetime.now(dt.UTC))[1]
 
 
 def api_client(user) -> APIClient:

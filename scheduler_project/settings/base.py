@@ -1,7 +1,9 @@
 """All settings. test.py only overrides; nothing else reads the environment."""
 
 import json
+import os
 import secrets
+from pathlib import Path
 
 import dj_database_url
 
@@ -11,7 +13,15 @@ from .integrations import init_sentry
 
 BASE_DIR = env.BASE_DIR
 VAR_DIR = env.VAR_DIR
-VAR_DIR.mkdir(parents=True, exist_ok=True)
+# var/ holds the secret key, the SQLite database (token hashes, password hashes), run
+# logs and the filesystem broker's messages: readable by their owner only (SPEC,
+# "Security"). Folders 0700, files 0600: those made here explicitly, the rest (SQLite's,
+# the broker's, the logs') through a umask that this process keeps while it writes there.
+PRIVATE_DIR_MODE, PRIVATE_FILE_MODE = 0o700, 0o600
+if env.USES_VAR_DIR:
+    os.umask(0o077)
+VAR_DIR.mkdir(parents=True, exist_ok=True, mode=PRIVATE_DIR_MODE)
+VAR_DIR.chmod(PRIVATE_DIR_MODE)  # also an older installation's, made before this rule
 
 
 def _secret_key() -> str:
@@ -20,13 +30,28 @@ def _secret_key() -> str:
     # Embedded defaults: one random key per installation, kept beside the database.
     path = VAR_DIR / "secret_key"
     if not path.exists():
-        path.write_text(secrets.token_urlsafe(50))
+        descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, PRIVATE_FILE_MODE)
+        with os.fdopen(descriptor, "w") as file:
+            file.write(secrets.token_urlsafe(50))
+    path.chmod(PRIVATE_FILE_MODE)
     return path.read_text().strip()
 
 
 SECRET_KEY = _secret_key()
 DEBUG = env.DJANGO_DEBUG
 ALLOWED_HOSTS = env.DJANGO_ALLOWED_HOSTS
+CSRF_TRUSTED_ORIGINS = env.DJANGO_CSRF_TRUSTED_ORIGINS
+if env.DJANGO_SECURE:
+    # Behind a TLS-terminating proxy that sets X-Forwarded-Proto (docs/security.md).
+    SECURE_PROXY_SSL_HEADER = ("HTTP_X_FORWARDED_PROTO", "https")
+    SECURE_SSL_REDIRECT = True
+    # Probes and scrapers inside the cluster may speak plain HTTP to a pod.
+    SECURE_REDIRECT_EXEMPT = [r"^healthz$", r"^readyz$", r"^metrics$"]
+    SESSION_COOKIE_SECURE = True
+    CSRF_COOKIE_SECURE = True
+    SECURE_HSTS_SECONDS = 31_536_000  # a year
+    SECURE_HSTS_INCLUDE_SUBDOMAINS = True
+    SECURE_HSTS_PRELOAD = True  # the header only: submitting the domain is the deployer's
 
 INSTALLED_APPS = [
     "django.contrib.admin",
@@ -36,8 +61,8 @@ INSTALLED_APPS = [
     "django.contrib.messages",
     "django.contrib.staticfiles",
     "rest_framework",
-    "rest_framework.authtoken",
     "drf_spectacular",
+    "drf_spectacular_sidecar",  # Swagger UI's files, pinned, served as our static files
     "jobs",
     "dispatch",
     "logs_app",
@@ -103,6 +128,12 @@ def _database(url: str) -> dict:
 
 
 DATABASES = {"default": _database(env.DATABASE_URL)}
+if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
+    # An older installation's database (and its WAL files), made before var/ was private.
+    for _suffix in ("", "-wal", "-shm"):
+        _file = Path(f"{DATABASES['default']['NAME']}{_suffix}")
+        if _file.exists():
+            _file.chmod(PRIVATE_FILE_MODE)
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
 AUTH_PASSWORD_VALIDATORS = [
@@ -126,7 +157,11 @@ STORAGES = {
         "BACKEND": env.SCHEDULER_LOG_STORAGE,
         "OPTIONS": json.loads(env.SCHEDULER_LOG_STORAGE_OPTIONS)
         if env.SCHEDULER_LOG_STORAGE_OPTIONS
-        else {"location": str(VAR_DIR / "logs")}
+        else {
+            "location": str(VAR_DIR / "logs"),
+            "file_permissions_mode": PRIVATE_FILE_MODE,
+            "directory_permissions_mode": PRIVATE_DIR_MODE,
+        }
         if env.SCHEDULER_LOG_STORAGE.endswith("FileSystemStorage")
         else {},
     },
@@ -145,21 +180,37 @@ LOGIN_URL = "/admin/login/"
 
 REST_FRAMEWORK = {
     "DEFAULT_AUTHENTICATION_CLASSES": [
-        "rest_framework.authentication.TokenAuthentication",
+        "jobs.tokens.TokenAuthentication",  # hashed at rest, expiring, revocable
         "rest_framework.authentication.SessionAuthentication",
     ],
     "DEFAULT_PERMISSION_CLASSES": ["rest_framework.permissions.IsAuthenticated"],
     "DEFAULT_RENDERER_CLASSES": ["rest_framework.renderers.JSONRenderer"],
     "DEFAULT_PARSER_CLASSES": ["jobs.parsers.JSONParser"],
     "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
-    "DEFAULT_THROTTLE_CLASSES": ["rest_framework.throttling.UserRateThrottle"],
-    "DEFAULT_THROTTLE_RATES": {"user": "6000/min"},
+    "EXCEPTION_HANDLER": "jobs.api.api_exception_handler",
+    # Counted in the database every web process shares (jobs.throttling), per user.
+    "DEFAULT_THROTTLE_CLASSES": ["jobs.throttling.UserThrottle", "jobs.throttling.ScopedThrottle"],
+    "DEFAULT_THROTTLE_RATES": {
+        "user": "6000/min",
+        "bulk": "60/min",  # up to 1,000 jobs each
+        "backfill": "60/min",
+        "logs_follow": "240/min",  # long polls of up to 25 s
+        "admin_login": "10/min",  # per client address
+        **env.SCHEDULER_THROTTLE_RATES,
+    },
+    "NUM_PROXIES": env.SCHEDULER_NUM_PROXIES,
 }
 
 SPECTACULAR_SETTINGS = {
     "TITLE": "Durable job scheduler API",
     "VERSION": "1",
     "SERVE_INCLUDE_SCHEMA": False,
+    # The schema and its docs page authenticate, as every endpoint does (SPEC, "Security").
+    "SERVE_PERMISSIONS": ["rest_framework.permissions.IsAuthenticated"],
+    # Swagger UI from the pinned drf-spectacular-sidecar package, on our origin: no CDN.
+    "SWAGGER_UI_DIST": "SIDECAR",
+    "SWAGGER_UI_FAVICON_HREF": "SIDECAR",
+    "REDOC_DIST": "SIDECAR",
     "COMPONENT_SPLIT_REQUEST": True,
 }
 
@@ -172,7 +223,13 @@ LOGGING = {
 }
 
 SCHEDULER_TASK_MODULES = env.SCHEDULER_TASK_MODULES
-# Size bound of a job's args, and of its kwargs, each serialized as JSON.
+# Lifetime of a new API token (0: no expiry).
+SCHEDULER_TOKEN_TTL_DAYS = env.SCHEDULER_TOKEN_TTL_DAYS
+SCHEDULER_METRICS_TOKEN = env.SCHEDULER_METRICS_TOKEN
+# Size bound of a job's args, and of its kwargs, each serialized as JSON; and of the whole
+# job body (every PATCH copies it into a new version).
 SCHEDULER_MAX_PAYLOAD_BYTES = 64 * 1024
+SCHEDULER_MAX_SPEC_BYTES = 128 * 1024  # less than args and kwargs at their limits
+SCHEDULER_OWNER_MAX_JOBS = env.SCHEDULER_OWNER_MAX_JOBS
 
 init_sentry()

@@ -26,15 +26,25 @@ def env_list(name: str) -> list[str]:
 
 DATABASE_URL = env_str("DATABASE_URL", f"sqlite:///{VAR_DIR / 'scheduler.sqlite3'}")
 CELERY_BROKER_URL = env_str("CELERY_BROKER_URL", "filesystem://")
+# On embedded defaults (a database or a broker under var/), every file the process
+# writes is its owner's only (settings.base).
+USES_VAR_DIR = DATABASE_URL.startswith("sqlite") or CELERY_BROKER_URL.startswith("filesystem")
 DJANGO_SECRET_KEY = os.environ.get("DJANGO_SECRET_KEY", "")
 DJANGO_DEBUG = env_bool("DJANGO_DEBUG", False)
 DJANGO_ALLOWED_HOSTS = env_list("DJANGO_ALLOWED_HOSTS") or ["localhost", "127.0.0.1", "[::1]"]
 SENTRY_DSN = os.environ.get("SENTRY_DSN", "")
+# Production behind TLS: secure cookies, HSTS, HTTPS redirects, the proxy's SSL header.
+DJANGO_SECURE = env_bool("DJANGO_SECURE", False)
+# Origins allowed to POST with the session (the admin behind another host name), e.g.
+# https://scheduler.example.com.
+DJANGO_CSRF_TRUSTED_ORIGINS = env_list("DJANGO_CSRF_TRUSTED_ORIGINS")
 # PostgreSQL's application_name of this process's connections (standalone names its children).
 SCHEDULER_DB_APPLICATION_NAME = os.environ.get("SCHEDULER_DB_APPLICATION_NAME", "")
 # The web server serves /static/ itself (set by `standalone`, which has no other server).
 SCHEDULER_SERVE_STATIC = env_bool("SCHEDULER_SERVE_STATIC", False)
 SCHEDULER_TASK_MODULES = env_list("SCHEDULER_TASK_MODULES")
+# The only queues a job may name (comma-separated); the first is a job's default.
+SCHEDULER_QUEUES = env_list("SCHEDULER_QUEUES") or ["jobs"]
 SCHEDULER_QUEUE_TYPE = env_str("SCHEDULER_QUEUE_TYPE", "classic")
 if SCHEDULER_QUEUE_TYPE not in {"classic", "quorum"}:
     raise ValueError(
@@ -51,3 +61,16 @@ SCHEDULER_LOG_RETENTION_DAYS = int(env_str("SCHEDULER_LOG_RETENTION_DAYS", "30")
 # false: handlers' output is not captured (it goes to the worker's own log, as Celery does).
 SCHEDULER_LOG_CAPTURE = env_bool("SCHEDULER_LOG_CAPTURE", True)
 SCHEDULER_LOG_MAX_BYTES = int(env_str("SCHEDULER_LOG_MAX_BYTES", str(10 * 1024 * 1024)))
+# The bearer token a Prometheus scraper sends to /metrics (empty: operators' tokens only).
+SCHEDULER_METRICS_TOKEN = os.environ.get("SCHEDULER_METRICS_TOKEN", "")
+# The most active and paused jobs one owner may hold (429 beyond it).
+SCHEDULER_OWNER_MAX_JOBS = int(env_str("SCHEDULER_OWNER_MAX_JOBS", "100000"))
+# Throttle rates by scope, overriding the defaults: "user=6000/min,bulk=60/min".
+SCHEDULER_THROTTLE_RATES = dict(
+    item.split("=", 1) for item in env_list("SCHEDULER_THROTTLE_RATES") if "=" in item
+)
+# Proxies in front of the web tier that append to X-Forwarded-For (0: the client address
+# is the connection's, and a client cannot choose its own throttle key).
+SCHEDULER_NUM_PROXIES = int(env_str("SCHEDULER_NUM_PROXIES", "0"))
+# Lifetime of a new API token in days (0: tokens never expire).
+SCHEDULER_TOKEN_TTL_DAYS = int(env_str("SCHEDULER_TOKEN_TTL_DAYS", "90"))

@@ -7,20 +7,24 @@ from . import env
 CELERY_BROKER_URL = env.CELERY_BROKER_URL
 EMBEDDED_BROKER = CELERY_BROKER_URL.startswith("filesystem://")
 
-# The worker consumes this queue unless told otherwise (-Q); jobs name it in `queue`.
-SCHEDULER_DEFAULT_QUEUE = "jobs"
+# The queues jobs may name (SCHEDULER_QUEUES, SPEC "Security": any other name answers
+# 400, so no user creates broker queues); the first is the default, which the worker
+# consumes unless told otherwise (-Q). The relay and the workers declare them all at start.
+SCHEDULER_QUEUES = env.SCHEDULER_QUEUES
+SCHEDULER_DEFAULT_QUEUE = SCHEDULER_QUEUES[0]
 CELERY_TASK_DEFAULT_QUEUE = SCHEDULER_DEFAULT_QUEUE
 # "quorum" on a RabbitMQ cluster; every queue, the default one and those jobs name, alike.
 SCHEDULER_QUEUE_TYPE = env.SCHEDULER_QUEUE_TYPE
 CELERY_TASK_QUEUES = [
     Queue(
-        SCHEDULER_DEFAULT_QUEUE,
-        Exchange(SCHEDULER_DEFAULT_QUEUE, type="direct", durable=True),
-        routing_key=SCHEDULER_DEFAULT_QUEUE,
+        name,
+        Exchange(name, type="direct", durable=True),
+        routing_key=name,
         durable=True,
         # Classic queues are declared without the argument, as Celery itself declares them.
         queue_arguments={"x-queue-type": "quorum"} if SCHEDULER_QUEUE_TYPE == "quorum" else None,
     )
+    for name in SCHEDULER_QUEUES
 ]
 CELERY_TASK_CREATE_MISSING_QUEUES = True
 CELERY_TASK_CREATE_MISSING_QUEUE_TYPE = SCHEDULER_QUEUE_TYPE
@@ -54,7 +58,9 @@ CELERY_ENABLE_UTC = True
 if EMBEDDED_BROKER:
     _broker_dir = env.VAR_DIR / "broker"
     for _folder in ("messages", "control", "processed"):
-        (_broker_dir / _folder).mkdir(parents=True, exist_ok=True)
+        (_broker_dir / _folder).mkdir(parents=True, exist_ok=True, mode=0o700)
+    for _path in (_broker_dir, *_broker_dir.iterdir()):
+        _path.chmod(0o700)  # its owner's only, as all of var/ (settings.base)
     CELERY_BROKER_TRANSPORT_OPTIONS = {
         "data_folder_in": str(_broker_dir / "messages"),
         "data_folder_out": str(_broker_dir / "messages"),

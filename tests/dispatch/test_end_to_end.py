@@ -5,9 +5,9 @@ import datetime as dt
 
 import pytest
 import requests
-from rest_framework.authtoken.models import Token
 
 from jobs.models import Run, RunState
+from tests.factories import token_for
 from tests.processes import wait_for
 
 pytestmark = pytest.mark.slow
@@ -20,7 +20,7 @@ def _run_at(seconds: float) -> str:
 @pytest.fixture
 def http(live_server, user):
     session = requests.Session()
-    session.headers["Authorization"] = f"Token {Token.objects.create(user=user).key}"
+    session.headers["Authorization"] = f"Token {token_for(user)}"
     session.base = f"{live_server.url}/api/v1"
     return session
 

@@ -56,11 +56,14 @@ def counter(name: str, labels: str = "") -> int:
 
 
 @pytest.fixture
-def queued_run(make_job):
+def queued_run(make_job, settings):
     """make(**job_overrides): a one-time job's run, queued by the scheduler at `created`,
-    with its outbox row still pending."""
+    with its outbox row still pending (on a queue the test allows, as an operator would)."""
 
     def make(*, created: dt.datetime = NOW - dt.timedelta(hours=1), **overrides) -> Run:
+        queue = overrides.get("queue")
+        if queue and queue not in settings.SCHEDULER_QUEUES:
+            settings.SCHEDULER_QUEUES = [*settings.SCHEDULER_QUEUES, queue]
         job = make_job(
             now=created - dt.timedelta(minutes=1),
             schedule={"kind": "once", "run_at": created.isoformat()},

@@ -169,7 +169,8 @@ def test_the_relay_process_is_woken_by_the_commit_of_an_outbox_row(stack, make_j
     now = dt.datetime.now(dt.UTC)
     job = make_job(now=now, schedule={"kind": "once", "run_at": now.isoformat()})
     scheduler_run_once(now=now, config=SchedulerConfig())
-    assert OutboxMessage.objects.filter(run__job=job).exists()
+    # The row committed (it may be published already: the woken relay is that quick).
+    assert Run.objects.filter(job=job).exists()
 
     wait_for(
         lambda: not OutboxMessage.objects.filter(run__job=job).exists(),
@@ -215,3 +216,67 @@ def test_the_runs_of_a_short_task_travel_packed_and_others_alone(make_job):
         assert message["body"][1]["timeout_seconds"] == 3600
         assert message["headers"]["timelimit"] == [runs * (3600 + 15 + 120), None]
     purge_queue()
+
+
+@pytest.fixture
+def refused_queue(settings):
+    """An allowed queue that exists on the broker with other arguments, so that the relay's
+    declare is refused (PRECONDITION_FAILED), as a queue of the wrong type would be."""
+    name = f"refused-{uuid.uuid4().hex[:8]}"
+    settings.SCHEDULER_QUEUES = [*settings.SCHEDULER_QUEUES, name]
+    with Connection(settings.CELERY_BROKER_URL) as broker:
+        channel = broker.channel()
+        channel.queue_declare(name, durable=True, arguments={"x-max-length": 7})
+        yield name
+        broker.channel().queue_delete(name)
+
+
+def test_a_queue_the_broker_refuses_holds_back_only_its_own_messages(make_job, refused_queue):
+    from jobs.models import AuditEvent, RunState
+
+    purge_queue()
+    due = {"now": NOW - dt.timedelta(minutes=1),
+           "schedule": {"kind": "once", "run_at": NOW.isoformat()}}  # fmt: skip
+    refused = make_job(queue=refused_queue, **due)
+    behind = [make_job(**due) for _ in range(3)]
+    scheduler_run_once(now=NOW, config=SchedulerConfig())
+    assert sorted(OutboxMessage.objects.values_list("queue", flat=True))[-1] == refused_queue
+    publisher = ConfirmingPublisher(
+        settings.CELERY_BROKER_URL, settings.CELERY_BROKER_TRANSPORT_OPTIONS
+    )
+    config = RelayConfig(max_refusals=3)
+    try:
+        result = relay_run_once(now=NOW, config=config, publisher=publisher)
+        # The messages behind the refused one went out; the refused one waits, a try counted.
+        assert (result.published, result.undeliverable) == (3, 0)
+        assert len(_drain_queue()) == 3
+        [row] = OutboxMessage.objects.all()
+        assert (row.queue, row.publish_tries) == (refused_queue, 1)
+        assert "PRECONDITION_FAILED" in row.last_error
+        # A new run behind it is not held back either, and the refusals are bounded.
+        make_job(**due)
+        scheduler_run_once(now=NOW, config=SchedulerConfig())
+        assert relay_run_once(now=NOW, config=config, publisher=publisher).published == 1
+        assert relay_run_once(now=NOW, config=config, publisher=publisher).undeliverable == 1
+        assert relay_run_once(now=NOW, config=config, publisher=publisher).published == 0
+    finally:
+        publisher.close()
+        purge_queue()
+    assert not OutboxMessage.objects.exists()
+    run = Run.objects.get(job=refused)
+    assert (run.state, run.failure_reason) == (RunState.FAILED, "undeliverable")
+    event = AuditEvent.objects.get(run=run, action="run.undeliverable")
+    assert "PRECONDITION_FAILED" in event.data["reason"]
+    assert {r.state for r in Run.objects.filter(job__in=behind)} == {RunState.QUEUED}
+
+
+def test_the_relay_declares_the_allowed_queues_and_reports_a_refused_one(refused_queue):
+    from dispatch.relay import queues_declare
+
+    publisher = ConfirmingPublisher(
+        settings.CELERY_BROKER_URL, settings.CELERY_BROKER_TRANSPORT_OPTIONS
+    )
+    try:
+        assert queues_declare(publisher, settings.SCHEDULER_QUEUES) == [refused_queue]
+    finally:
+        publisher.close()

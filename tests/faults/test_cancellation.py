@@ -4,7 +4,7 @@ with real scheduler, relay and worker processes and the REST API."""
 import pytest
 
 from jobs.models import AttemptState, OutboxMessage, Run, RunState
-from tests.factories import one_time_job, owner
+from tests.factories import api_client, one_time_job, owner
 from tests.fault_tasks import EFFECT_COUNTER, effect_labels
 from tests.faults.helpers import counter
 from tests.faults.invariants import invariant_violations
@@ -15,12 +15,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.faults]
 
 @pytest.fixture
 def client():
-    from rest_framework.authtoken.models import Token
-    from rest_framework.test import APIClient
-
-    api = APIClient()
-    api.credentials(HTTP_AUTHORIZATION=f"Token {Token.objects.create(user=owner()).key}")
-    return api
+    return api_client(owner())
 
 
 def _run_of(job) -> Run:

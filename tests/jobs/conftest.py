@@ -6,7 +6,7 @@ from tests.factories import superuser
 
 
 @pytest.fixture
-def operator(client):
+def admin_superuser(client):
     """A superuser named `op`, logged in to the test client."""
     user = superuser("op")
     client.force_login(user)

@@ -29,11 +29,11 @@ def act(client, model: str, action: str, objects, *, url: str = "", **extra) -> 
 
 
 def test_pause_and_resume_jobs_say_how_many_and_why_the_others_were_refused(
-    client, operator, make_job, api
+    client, admin_superuser, make_job, api
 ):
     a, b = make_job(name="a", schedule=HOURLY), make_job(name="b", schedule=HOURLY)
     gone = make_job(name="gone", schedule=HOURLY)
-    job_cancel(job=gone, actor=operator, now=db_now())
+    job_cancel(job=gone, actor=admin_superuser, now=db_now())
 
     _, message = act(client, "job", "pause_jobs", [a, b, gone])
     assert message == (
@@ -50,7 +50,7 @@ def test_pause_and_resume_jobs_say_how_many_and_why_the_others_were_refused(
     assert {e.actor_label for e in events} == {"user:op"} and events.count() == 2
 
 
-def test_cancel_from_a_filtered_list_counts_before_acting(client, operator, make_job):
+def test_cancel_from_a_filtered_list_counts_before_acting(client, admin_superuser, make_job):
     """The list was filtered on active jobs: once cancelled, the job leaves the filter, and
     a re-count after acting read 'refused: -1'."""
     job = make_job(name="only", schedule=HOURLY)
@@ -65,9 +65,9 @@ def test_cancel_from_a_filtered_list_counts_before_acting(client, operator, make
     )
 
 
-def test_trigger_jobs_queues_a_manual_run_of_each(client, operator, make_job):
+def test_trigger_jobs_queues_a_manual_run_of_each(client, admin_superuser, make_job):
     job, gone = make_job(name="t"), make_job(name="gone")
-    job_cancel(job=gone, actor=operator, now=db_now())
+    job_cancel(job=gone, actor=admin_superuser, now=db_now())
     _, message = act(client, "job", "trigger_jobs", [job, gone])
     assert message == (
         "Triggered 1 of 2 selected jobs. Refused 1: a cancelled job cannot be triggered ('gone')."
@@ -78,7 +78,7 @@ def test_trigger_jobs_queues_a_manual_run_of_each(client, operator, make_job):
 
 
 def test_backfill_jobs_asks_for_the_range_validates_it_and_creates_nothing_twice(
-    client, operator, make_job
+    client, admin_superuser, make_job
 ):
     job = make_job(name="hourly", schedule=HOURLY)
     selection = {"action": "backfill_jobs", "_selected_action": [str(job.pk)]}
@@ -101,11 +101,11 @@ def test_backfill_jobs_asks_for_the_range_validates_it_and_creates_nothing_twice
     _, message = act(client, "job", "backfill_jobs", [job], apply="1", **window)
     assert message == "Backfilled 1 of 1 selected jobs (0 runs created, 3 already existed)."
     assert Run.objects.filter(job=job, kind=RunKind.BACKFILL).count() == 3
-    assert AuditEvent.objects.filter(action="job.backfilled", actor=operator).count() == 2
+    assert AuditEvent.objects.filter(action="job.backfilled", actor=admin_superuser).count() == 2
 
 
 def test_backfill_refuses_a_job_whose_range_is_too_large_and_does_the_others(
-    client, operator, make_job
+    client, admin_superuser, make_job
 ):
     minutely = make_job(name="minutely", schedule={"kind": "cron", "expression": "* * * * *"})
     daily = make_job(name="daily", schedule={"kind": "cron", "expression": "0 0 * * *"})
@@ -118,7 +118,9 @@ def test_backfill_refuses_a_job_whose_range_is_too_large_and_does_the_others(
     )
 
 
-def test_cancel_and_replay_runs_with_the_reason_of_a_refused_replay(client, operator, make_job):
+def test_cancel_and_replay_runs_with_the_reason_of_a_refused_replay(
+    client, admin_superuser, make_job
+):
     job = make_job(schedule={"kind": "once", "run_at": "2020-01-01T00:00:00Z"})
     scheduler_run_once(now=db_now(), config=SchedulerConfig())
     run = Run.objects.get(job=job)
@@ -137,7 +139,7 @@ def test_cancel_and_replay_runs_with_the_reason_of_a_refused_replay(client, oper
     assert actions == [("run.cancelled", "user:op"), ("run.replayed", "user:op")]
 
 
-def test_an_action_from_a_job_page_returns_to_it(client, operator, make_job):
+def test_an_action_from_a_job_page_returns_to_it(client, admin_superuser, make_job):
     job = make_job(schedule=HOURLY)
     page = f"/admin/jobs/job/{job.id}/change/"
     response = client.post(
@@ -176,7 +178,7 @@ def test_each_action_needs_its_permission(client, make_job):
 
 
 def test_a_selection_past_the_limit_changes_nothing_and_says_so(
-    client, operator, make_job, monkeypatch
+    client, admin_superuser, make_job, monkeypatch
 ):
     monkeypatch.setattr("jobs.admin_actions.MAX_SELECTED", 2)
     jobs = [make_job(name=f"j{i}", schedule=HOURLY) for i in range(3)]

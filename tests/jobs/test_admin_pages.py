@@ -33,11 +33,11 @@ def edit(client, job, body, *, based_on: int | None = None) -> object:
     )
 
 
-def test_an_operator_creates_a_job_from_the_admin_as_the_api_would(client, operator, api):
+def test_an_operator_creates_a_job_from_the_admin_as_the_api_would(client, admin_superuser, api):
     response = add(client, job_body(name="from the admin", schedule=BERLIN_MORNINGS))
     assert response.status_code == 302, response.content.decode()[:2000]
     job = Job.objects.get(name="from the admin")
-    assert (job.owner, job.version, job.state) == (operator, 1, "active")
+    assert (job.owner, job.version, job.state) == (admin_superuser, 1, "active")
     assert job.spec["retry"]["max_attempts"] == 3  # the API's defaults, stored whole
     assert job.next_run_at is not None
     assert AuditEvent.objects.get(job=job, action="job.created").actor_label == "user:op"
@@ -45,7 +45,7 @@ def test_an_operator_creates_a_job_from_the_admin_as_the_api_would(client, opera
     assert response["Location"] == "/admin/jobs/job/"
 
 
-def test_a_bad_body_answers_400_naming_each_field_and_writes_nothing(client, operator):
+def test_a_bad_body_answers_400_naming_each_field_and_writes_nothing(client, admin_superuser):
     body = job_body(task="no.such.task",
                     schedule={"kind": "cron", "expression": "61 * * * *", "timezone": "Mars/Base"},
                     retry={"max_attempts": 0})  # fmt: skip
@@ -61,7 +61,7 @@ def test_a_bad_body_answers_400_naming_each_field_and_writes_nothing(client, ope
     assert not Job.objects.exists()
 
 
-def test_an_edit_is_a_new_version_with_its_diff_in_the_history(client, operator, make_job):
+def test_an_edit_is_a_new_version_with_its_diff_in_the_history(client, admin_superuser, make_job):
     job = make_job(name="reports", schedule=BERLIN_MORNINGS)
     page = client.get(f"/admin/jobs/job/{job.id}/change/").content.decode()
     assert "0 9 * * MON-FRI" in page and 'name="based_on"' in page
@@ -80,7 +80,28 @@ def test_an_edit_is_a_new_version_with_its_diff_in_the_history(client, operator,
     assert "job.updated" in page and "user:op" in page
 
 
-def test_an_edit_of_a_version_that_moved_on_changes_nothing(client, operator, make_job):
+def test_an_edit_shows_secrets_masked_and_keeps_them_when_left_as_shown(
+    client, admin_superuser, make_job
+):
+    job = make_job(kwargs={"password": "canary-7f3", "nested": {"api_key": "canary-9c1"}, "n": 1})
+    page = client.get(f"/admin/jobs/job/{job.id}/change/").content.decode()
+    assert "canary-7f3" not in page and "canary-9c1" not in page
+    assert "[REDACTED]" in page
+
+    shown = {"password": "[REDACTED]", "nested": {"api_key": "[REDACTED]"}, "n": 2}
+    assert edit(client, job, {"kwargs": shown}).status_code == 302
+    job.refresh_from_db()
+    assert job.spec["kwargs"] == {"password": "canary-7f3", "nested": {"api_key": "canary-9c1"},
+                                  "n": 2}  # fmt: skip
+    page = client.get(f"/admin/jobs/job/{job.id}/change/").content.decode()
+    assert "canary-7f3" not in page  # nor in the version diff of the history
+
+    assert edit(client, job, {"kwargs": {**shown, "password": "replaced"}}).status_code == 302
+    job.refresh_from_db()
+    assert job.spec["kwargs"]["password"] == "replaced"
+
+
+def test_an_edit_of_a_version_that_moved_on_changes_nothing(client, admin_superuser, make_job):
     job = make_job(schedule=BERLIN_MORNINGS)
     response = edit(client, job, {"name": "renamed"}, based_on=job.version - 1 or 7)
     assert response.status_code == 400
@@ -89,9 +110,9 @@ def test_an_edit_of_a_version_that_moved_on_changes_nothing(client, operator, ma
     assert job.version == 1 and job.name != "renamed"
 
 
-def test_a_cancelled_job_is_shown_not_edited(client, operator, make_job):
+def test_a_cancelled_job_is_shown_not_edited(client, admin_superuser, make_job):
     job = make_job(schedule=BERLIN_MORNINGS)
-    job_cancel(job=job, actor=operator, now=db_now())
+    job_cancel(job=job, actor=admin_superuser, now=db_now())
     page = client.get(f"/admin/jobs/job/{job.id}/change/")
     assert page.status_code == 200 and b'name="body"' not in page.content
     assert b"0 9 * * MON-FRI" in page.content  # shown read-only
@@ -111,7 +132,7 @@ def test_adding_and_changing_need_the_models_permissions(client, make_job):
 
 
 def test_the_job_page_says_its_schedule_in_words_with_next_fires_and_dst_flags(
-    client, operator, make_job
+    client, admin_superuser, make_job
 ):
     # 02:30 in New York daily from 2030-03-09: on 2030-03-10 spring-forward skips 02:30.
     job = make_job(
@@ -145,7 +166,7 @@ def test_schedule_words_of_each_kind():
 
 
 def test_the_run_page_shows_its_stages_with_lags_and_its_attempts_error_and_log(
-    client, operator, queued_run
+    client, admin_superuser, queued_run
 ):
     run = queued_run(retry={"max_attempts": 1})
     attempt = claim(run, at=later(2))

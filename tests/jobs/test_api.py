@@ -305,11 +305,9 @@ def test_same_key_other_body_is_409_and_creates_nothing(api):
 
 
 def test_keys_are_per_owner_and_per_operation(api, user, other_user):
-    from rest_framework.authtoken.models import Token
-    from rest_framework.test import APIClient
+    from tests.factories import api_client
 
-    other = APIClient()
-    other.credentials(HTTP_AUTHORIZATION=f"Token {Token.objects.create(user=other_user).key}")
+    other = api_client(other_user)
     mine = api.post(JOBS, job_body(), format="json", HTTP_IDEMPOTENCY_KEY="shared").json()
     theirs = other.post(JOBS, job_body(), format="json", HTTP_IDEMPOTENCY_KEY="shared").json()
     assert mine["id"] != theirs["id"]

@@ -180,6 +180,8 @@ INVALID_BODIES = {
     # queue
     "queue with spaces": (job_body(queue="bad queue!"), ("queue",)),
     "empty queue": (job_body(queue=""), ("queue",)),
+    "queue outside SCHEDULER_QUEUES": (job_body(queue="amq.gen-x"), ("queue",)),
+    "another unconfigured queue": (job_body(queue="billing"), ("queue",)),
 }
 
 
@@ -345,3 +347,55 @@ def test_a_one_time_job_whose_run_at_is_before_start_at_is_refused(api):
     r = api.post("/api/v1/jobs/", body, format="json")
     assert r.status_code == 400
     assert "run_at" in r.json()["start_at"][0]
+
+
+def test_a_queue_the_operator_configured_is_accepted(api, settings):
+    settings.SCHEDULER_QUEUES = ["jobs", "billing"]
+    response = api.post("/api/v1/jobs/", job_body(queue="billing"), format="json")
+    assert response.status_code == 201, response.content
+    assert response.json()["queue"] == "billing"
+    refused = api.post("/api/v1/jobs/", job_body(queue="reports"), format="json")
+    assert refused.status_code == 400
+    assert "SCHEDULER_QUEUES" in refused.json()["queue"][0]
+
+
+@pytest.mark.parametrize(
+    ("labels", "reason"),
+    [
+        ({"k" * 64: "v"}, "1-63"),
+        ({"k" * 70_000: "v"}, "1-63"),
+        ({"a key": "v"}, "letters"),
+        ({"": "v"}, "1-63"),
+        ({"team": "v" * 201}, "200"),
+        ({f"k{i}": "v" for i in range(33)}, "32"),
+    ],
+)
+def test_label_keys_and_values_are_bounded(api, labels, reason):
+    response = api.post("/api/v1/jobs/", job_body(labels=labels), format="json")
+    assert response.status_code == 400
+    assert reason in str(response.json()["labels"])
+    assert not Job.objects.exists()
+
+
+def test_the_whole_job_body_is_bounded_below_its_parts(api, settings):
+    half = "x" * (settings.SCHEDULER_MAX_PAYLOAD_BYTES - 100)
+    body = job_body(args=[half], kwargs={"k": half})
+    response = api.post("/api/v1/jobs/", body, format="json")
+    assert response.status_code == 400
+    assert "job body" in response.json()["non_field_errors"][0]
+    assert api.post("/api/v1/jobs/", job_body(args=[half]), format="json").status_code == 201
+
+
+def test_an_owner_past_its_job_quota_gets_429_and_nothing_is_written(api, settings):
+    settings.SCHEDULER_OWNER_MAX_JOBS = 3
+    bulk = [job_body(name=f"j{i}") for i in range(2)]
+    assert api.post("/api/v1/jobs/bulk/", bulk, format="json").status_code == 201
+    assert api.post("/api/v1/jobs/", job_body(), format="json").status_code == 201
+    over = api.post("/api/v1/jobs/", job_body(), format="json")
+    assert over.status_code == 429 and "SCHEDULER_OWNER_MAX_JOBS" in over.json()["detail"]
+    assert api.post("/api/v1/jobs/bulk/", bulk, format="json").status_code == 429
+    assert Job.objects.count() == 3 and JobVersion.objects.count() == 3
+    # A cancelled job no longer counts.
+    job = Job.objects.first()
+    assert api.post(f"/api/v1/jobs/{job.id}/cancel/").status_code == 200
+    assert api.post("/api/v1/jobs/", job_body(), format="json").status_code == 201

@@ -2,7 +2,7 @@ from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError
 
 from dispatch.loop import StopSignal, run_loop, run_once_step
-from dispatch.relay import ConfirmingPublisher, RelayConfig, relay_run_once
+from dispatch.relay import ConfirmingPublisher, RelayConfig, queues_declare, relay_run_once
 from dispatch.wakeup import Listener
 from jobs.notify import CHANNEL_OUTBOX
 
@@ -38,6 +38,7 @@ class Command(BaseCommand):
             sleep=lambda result: 0.0 if result.published else config.poll_interval,
             publisher=publisher,
         )
+        queues_declare(publisher, settings.SCHEDULER_QUEUES)
         stop = StopSignal().install()
         listener = Listener((CHANNEL_OUTBOX,), stop)
         self.stdout.write("relay started")

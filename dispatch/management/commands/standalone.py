@@ -1,8 +1,8 @@
 """`python manage.py standalone`: the whole system in one command, on any settings.
 
-Migrates, makes sure a first user and API token exist, prints them with the URLs, then runs
-the web server, a scheduler, a relay and a Celery worker as child processes, restarting any
-that dies, until Ctrl-C or SIGTERM stops them all.
+Migrates, makes sure an admin user exists, prints it with the URLs and a new API token of a
+plain user `api`, then runs the web server, a scheduler, a relay and a Celery worker as child
+processes, restarting any that dies, until Ctrl-C or SIGTERM stops them all.
 
 The web server is gunicorn (a production WSGI server; Django's runserver opened a thread,
 and a database connection, per request, until PostgreSQL refused new ones): on PostgreSQL
@@ -24,11 +24,14 @@ from django.conf import settings
 from django.contrib.auth import get_user_model
 from django.core.management import call_command
 from django.core.management.base import BaseCommand
-from rest_framework.authtoken.models import Token
+from django.utils import timezone
 
 from dispatch.commands import worker_argv
+from jobs.tokens import token_create, tokens_revoke
 
 STOP_GRACE_SECONDS = 20
+# The owner of the API token that standalone prints (a plain user, not the admin).
+STANDALONE_API_USER = "api"
 SQLITE_WEB_THREADS = 4
 
 
@@ -66,7 +69,7 @@ class Command(BaseCommand):
 
     def handle(self, *args, host, port, worker_concurrency, web_workers, **options):
         call_command("migrate", interactive=False, verbosity=0)
-        username, password, token = self._first_user()
+        username, password, api_username, token = self._first_users()
         base = f"http://{host}:{port}"
         self.stdout.write(
             "\n".join(
@@ -80,7 +83,8 @@ class Command(BaseCommand):
                     f"  API:       {base}/api/v1/jobs/",
                     f"  Schema:    {base}/api/schema/",
                     f"  Admin:     {base}/admin/",
-                    f"  User:      {username}" + (f"  password: {password}" if password else ""),
+                    f"  Admin user: {username}" + (f"  password: {password}" if password else ""),
+                    f"  API user:  {api_username} (no superuser: sees its own jobs)",
                     f"  API token: {token}",
                     f"  Try:       curl -H 'Authorization: Token {token}' {base}/api/v1/jobs/",
                     "Ctrl-C stops everything.",
@@ -107,15 +111,22 @@ class Command(BaseCommand):
         }
         Supervisor(commands, env, self.stdout).run()
 
-    def _first_user(self) -> tuple[str, str | None, str]:
+    def _first_users(self) -> tuple[str, str | None, str, str]:
+        """(admin username, its password if new, API username, a new API token's key).
+        The token is not a superuser's (SPEC, "Security"): it belongs to a plain user
+        `api`; each start revokes the token the previous start printed (keys are hashed, so
+        an old one cannot be printed again)."""
         users = get_user_model()
-        user = users.objects.filter(is_superuser=True).order_by("id").first()
+        admin = users.objects.filter(is_superuser=True).order_by("id").first()
         password = None
-        if user is None:
+        if admin is None:
             password = secrets.token_urlsafe(12)
-            user = users.objects.create_superuser("admin", "admin@localhost", password)
-        token, _ = Token.objects.get_or_create(user=user)
-        return user.get_username(), password, token.key
+            admin = users.objects.create_superuser("admin", "admin@localhost", password)
+        api_user, _ = users.objects.get_or_create(username=STANDALONE_API_USER)
+        now = timezone.now()
+        tokens_revoke(tokens=api_user.api_tokens.filter(name="standalone"), now=now)
+        _, key = token_create(owner=api_user, now=now, name="standalone")
+        return admin.get_username(), password, api_user.get_username(), key
 
 
 class Supervisor:

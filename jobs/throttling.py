@@ -1,0 +1,108 @@
+"""Throttling shared by every web process (SPEC, "Security"): per user (or client address
+when anonymous), one counter row per (scope, user) in the database, counted in fixed
+windows by one atomic upsert.
+
+Not Django's database cache behind DRF's throttles: their sliding log is read and written
+back whole (a pickled list of up to 6,000 timestamps at 6,000/min, four statements a
+request), and two processes that read it together each write back their own, losing hits.
+The upsert is one statement and exact under concurrency; a fixed window allows at most
+twice the rate across a window's edge, which is the usual price.
+
+Scopes (REST_FRAMEWORK's DEFAULT_THROTTLE_RATES, overridable with SCHEDULER_THROTTLE_RATES):
+`user` every API request; `bulk`, `backfill` (views with that `throttle_scope`),
+`logs_follow` (a live tail's long poll), `admin_login` (POSTs to the admin's login).
+"""
+
+from __future__ import annotations
+
+import time
+
+from django.contrib import admin
+from django.db import connection
+from django.http import HttpResponse
+from rest_framework.throttling import ScopedRateThrottle, SimpleRateThrottle, UserRateThrottle
+
+from .models import ThrottleWindow
+
+
+def throttle_hit(*, key: str, window: int) -> int:
+    """Count one request under `key` in `window`; the requests counted in it so far."""
+    table = ThrottleWindow._meta.db_table
+    with connection.cursor() as cursor:
+        cursor.execute(
+            f"""INSERT INTO {table} (throttle_key, bucket, hits) VALUES (%s, %s, 1)
+                ON CONFLICT (throttle_key) DO UPDATE SET
+                    hits = CASE WHEN {table}.bucket = excluded.bucket
+                                THEN {table}.hits + 1 ELSE 1 END,
+                    bucket = excluded.bucket
+                RETURNING hits""",
+            [key[:200], window],
+        )
+        return cursor.fetchone()[0]
+
+
+class SharedWindowThrottle(SimpleRateThrottle):
+    """DRF's rate parsing and keys, counted with `throttle_hit` instead of a cache."""
+
+    _wait: float | None = None
+
+    def allow_request(self, request, view) -> bool:
+        if self.rate is None:
+            return True
+        key = self.get_cache_key(request, view)
+        if key is None:
+            return True
+        now = time.time()
+        window = int(now // self.duration)
+        allowed = throttle_hit(key=key, window=window) <= self.num_requests
+        self._wait = None if allowed else (window + 1) * self.duration - now
+        return allowed
+
+    def wait(self) -> float | None:
+        return self._wait
+
+
+class UserThrottle(UserRateThrottle, SharedWindowThrottle):
+    """Every API request, per user (`user`)."""
+
+
+class ScopedThrottle(ScopedRateThrottle, SharedWindowThrottle):
+    """The expensive operations, per user: a view's `throttle_scope` (bulk, backfill)."""
+
+
+class LogFollowThrottle(SharedWindowThrottle):
+    """A live tail's long poll (`?follow=true`), per user (`logs_follow`)."""
+
+    scope = "logs_follow"
+
+    def get_cache_key(self, request, view):
+        if request.query_params.get("follow", "").lower() not in ("true", "1", "yes", "on"):
+            return None
+        return self.cache_format % {"scope": self.scope, "ident": _ident(self, request)}
+
+
+def _ident(throttle: SimpleRateThrottle, request) -> str:
+    user = request.user
+    return str(user.pk) if user and user.is_authenticated else throttle.get_ident(request)
+
+
+class _AdminLoginThrottle(SharedWindowThrottle):
+    scope = "admin_login"
+
+    def get_cache_key(self, request, view):
+        return self.cache_format % {"scope": self.scope, "ident": self.get_ident(request)}
+
+
+def admin_login(request, **kwargs):
+    """The admin's login page, its POSTs throttled per client address (`admin_login`)."""
+    throttle = _AdminLoginThrottle()
+    if request.method == "POST" and not throttle.allow_request(request, None):
+        wait = int(throttle.wait() or 1) + 1
+        response = HttpResponse(
+            f"Too many login attempts; try again in {wait} s.",
+            status=429,
+            content_type="text/plain",
+        )
+        response["Retry-After"] = str(wait)
+        return response
+    return admin.site.login(request, **kwargs)

@@ -1,0 +1,81 @@
+"""Production settings from the environment (scheduler_project.settings): `check --deploy`
+clean under DJANGO_SECURE=true, and var/ readable by its owner only on embedded defaults."""
+
+import os
+import secrets
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _env(**extra) -> dict:
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("DATABASE_URL", "CELERY_BROKER_URL", "DJANGO_SETTINGS_MODULE")}  # fmt: skip
+    return {**env, "DJANGO_SETTINGS_MODULE": "scheduler_project.settings.base", **extra}
+
+
+def _manage(*args, env: dict) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "manage.py", *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=180)  # fmt: skip
+
+
+def test_check_deploy_is_clean_under_django_secure(tmp_path):
+    env = _env(
+        DJANGO_SECURE="true",
+        DJANGO_SECRET_KEY=secrets.token_urlsafe(50),
+        DJANGO_ALLOWED_HOSTS="scheduler.example.com",
+        DJANGO_CSRF_TRUSTED_ORIGINS="https://scheduler.example.com",
+        DATABASE_URL="postgres://postgres@127.0.0.1:5432/postgres",
+        CELERY_BROKER_URL="amqp://guest:guest@127.0.0.1:5672//",
+        SCHEDULER_VAR_DIR=str(tmp_path / "var"),
+    )
+    done = _manage("check", "--deploy", "--fail-level", "WARNING", env=env)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "no issues" in done.stdout
+    # Without it, the same check warns: the test can fail.
+    env.pop("DJANGO_SECURE")
+    assert _manage("check", "--deploy", "--fail-level", "WARNING", env=env).returncode != 0
+
+
+def test_secure_settings_redirect_to_https_except_the_probes(client, settings):
+    settings.SECURE_SSL_REDIRECT = True
+    settings.SECURE_REDIRECT_EXEMPT = [r"^healthz$", r"^readyz$", r"^metrics$"]
+    settings.SECURE_PROXY_SSL_HEADER = ("HTTP_X_FORWARDED_PROTO", "https")
+    assert client.get("/api/v1/jobs/").status_code == 301
+    assert client.get("/api/v1/jobs/", HTTP_X_FORWARDED_PROTO="https").status_code == 401
+    assert client.get("/healthz").status_code == 200
+
+
+@pytest.mark.timeout(300)
+def test_var_files_are_their_owners_only_on_embedded_defaults(tmp_path):
+    var = tmp_path / "var"
+    # An older installation: made before this rule, with the usual umask.
+    var.mkdir(mode=0o755)
+    (var / "secret_key").write_text(secrets.token_urlsafe(50))
+    (var / "secret_key").chmod(0o644)
+    env = _env(SCHEDULER_VAR_DIR=str(var), SCHEDULER_TASK_MODULES="tests.sample_tasks")
+    done = _manage("migrate", "--verbosity", "0", env=env)
+    assert done.returncode == 0, done.stderr
+    store_a_log = (
+        "import django; django.setup()\n"
+        "from django.core.files.base import ContentFile\n"
+        "from django.core.files.storage import storages\n"
+        "storages['scheduler_logs'].save('run/attempt-1/chunk-0.txt', ContentFile(b'x'))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", store_a_log], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    paths = [var, *var.rglob("*")]
+    assert {p.name for p in paths} >= {"secret_key", "scheduler.sqlite3", "messages", "logs",
+                                       "chunk-0.txt"}  # fmt: skip
+    wrong = {
+        str(p.relative_to(tmp_path)): oct(stat.S_IMODE(p.stat().st_mode))
+        for p in paths
+        if stat.S_IMODE(p.stat().st_mode) != (0o700 if p.is_dir() else 0o600)
+    }
+    assert wrong == {}
