@@ -357,3 +357,26 @@ class Counter(models.Model):
 
     def __str__(self) -> str:
         return f"{self.name}{{{self.labels}}} {self.value}"
+
+
+class Tally(models.Model):
+    """One shard of a metric that PostgreSQL's triggers keep as the events commit
+    (jobs/migrations/0008_tally.py; docs/operations.md, "Metrics"): a histogram bucket
+    (`labels` `le="0.5"`: observations in that bucket alone, with their sum) or a counter
+    (`outcome="failed"`). Each database session adds to its own shard, so concurrent
+    workers never wait on one row; /metrics adds the shards up."""
+
+    name = models.CharField(max_length=200)
+    labels = models.CharField(max_length=400, blank=True, default="")
+    shard = models.SmallIntegerField(default=0)
+    count = models.BigIntegerField(default=0)
+    total = models.FloatField(default=0.0)
+
+    class Meta:
+        db_table = "jobs_tally"
+        constraints = [
+            models.UniqueConstraint(fields=["name", "labels", "shard"], name="tally_unique"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.name}{{{self.labels}}} #{self.shard} {self.count}"
