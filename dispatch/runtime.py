@@ -17,6 +17,7 @@ import uuid
 from collections.abc import Callable
 from typing import TypeVar
 
+import sentry_sdk
 from celery.exceptions import SoftTimeLimitExceeded
 from django.db import DatabaseError, InterfaceError, OperationalError, connection, transaction
 from django.db.models.functions import Now
@@ -425,6 +426,7 @@ def run_execute_delivery(
         # a while, and the reaper must not take the run meanwhile.
         logs = _finish_capture(capture, attempt)
         lease.finishing = True
+        _report_failure(exc, run=run, attempt=attempt)
         write = _failure_writer(run=run, attempt=attempt, exc=exc, worker=worker, logs=logs)
         if not isinstance(exc, Exception):
             # KeyboardInterrupt, SystemExit, CancelledError: recorded, then left to end the
@@ -450,6 +452,19 @@ def run_execute_delivery(
         _count_stale(run_id, attempt)
         outcome = "stale"
     return {"run_id": run_id, "attempt": attempt.number, "outcome": outcome}
+
+
+def _report_failure(exc: BaseException, *, run: Run, attempt: Attempt) -> None:
+    """A handler's exception to Sentry, when SENTRY_DSN set it up: the worker records it
+    as the attempt's outcome, so Celery's integration never sees it escape the task."""
+    if not isinstance(exc, Exception) or not sentry_sdk.is_initialized():
+        return
+    with sentry_sdk.new_scope() as scope:
+        scope.set_tag("task", run.job_version.spec["task"])
+        scope.set_tag("run_id", str(run.id))
+        scope.set_tag("job_id", str(run.job_id))
+        scope.set_tag("attempt", str(attempt.number))
+        sentry_sdk.capture_exception(exc)
 
 
 def _count_stale(run_id, attempt: Attempt) -> None:

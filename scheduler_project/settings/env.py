@@ -51,3 +51,11 @@ SCHEDULER_LOG_RETENTION_DAYS = int(env_str("SCHEDULER_LOG_RETENTION_DAYS", "30")
 # false: handlers' output is not captured (it goes to the worker's own log, as Celery does).
 SCHEDULER_LOG_CAPTURE = env_bool("SCHEDULER_LOG_CAPTURE", True)
 SCHEDULER_LOG_MAX_BYTES = int(env_str("SCHEDULER_LOG_MAX_BYTES", str(10 * 1024 * 1024)))
+# plain: "time level logger message" lines; json: one JSON object per line (for a log
+# shipper), with the record's extra fields (a run's logger adds run_id and attempt).
+SCHEDULER_LOG_FORMAT = env_str("SCHEDULER_LOG_FORMAT", "plain")
+if SCHEDULER_LOG_FORMAT not in {"plain", "json"}:
+    raise ValueError(f"SCHEDULER_LOG_FORMAT must be plain or json, not {SCHEDULER_LOG_FORMAT!r}")
+# Sentry's performance tracing: the share of requests and tasks traced (0: errors only).
+SENTRY_TRACES_SAMPLE_RATE = float(env_str("SENTRY_TRACES_SAMPLE_RATE", "0"))
+SENTRY_ENVIRONMENT = os.environ.get("SENTRY_ENVIRONMENT", "")

@@ -73,8 +73,22 @@ SENTRY_DSN = env.SENTRY_DSN
 
 
 def init_sentry() -> None:
+    """Error reporting, on when SENTRY_DSN is set: unhandled exceptions of web requests
+    (Django) and of Celery tasks, ERROR log records, and handlers' failures, which the
+    worker reports itself (dispatch.runtime) since they end as the attempt's outcome
+    instead of escaping the task. No local variables and no personal data are sent: a
+    job's args may hold secrets (docs/operations.md, "Error reporting")."""
     if not SENTRY_DSN:
         return
     import sentry_sdk
+    from sentry_sdk.integrations.celery import CeleryIntegration
+    from sentry_sdk.integrations.django import DjangoIntegration
 
-    sentry_sdk.init(dsn=SENTRY_DSN, send_default_pii=False, traces_sample_rate=0.0)
+    sentry_sdk.init(
+        dsn=SENTRY_DSN,
+        integrations=[DjangoIntegration(), CeleryIntegration()],
+        environment=env.SENTRY_ENVIRONMENT or None,
+        send_default_pii=False,
+        include_local_variables=False,
+        traces_sample_rate=env.SENTRY_TRACES_SAMPLE_RATE,
+    )
