@@ -277,7 +277,9 @@ def _with_database_retries(write: Callable[[], T]) -> T:
             delay = min(delay * 2, 5.0)
 
 
-def _claim(*, run_id: str, worker: str, published_at: dt.datetime | None) -> Attempt | None:
+def _claim(
+    *, run_id: str, worker: str, published_at: dt.datetime | None, task_id: str
+) -> Attempt | None:
     """Claim the delivered run (one statement), retrying through a database outage for a
     bounded time. None: not claimable (a duplicate delivery, a cancelled or unknown run).
 
@@ -295,7 +297,10 @@ def _claim(*, run_id: str, worker: str, published_at: dt.datetime | None) -> Att
             )
             if mine is not None:
                 return mine
-        return run_claim(run_id=run_id, worker=worker, claim_id=claim_id, published_at=published_at)
+        return run_claim(
+            run_id=run_id, worker=worker, claim_id=claim_id, published_at=published_at,
+            task_id=task_id,
+        )  # fmt: skip
 
     return _with_database_retries(claim)
 
@@ -378,7 +383,10 @@ def run_execute_delivery(
     run again (dispatch.registry publishes the message anew). `time_limit`: the handler's
     own soft time limit, for runs packed in one message (whose Celery limit is the pack's)."""
     try:
-        attempt = _claim(run_id=run_id, worker=worker, published_at=_published_at(published_at))
+        attempt = _claim(
+            run_id=run_id, worker=worker, published_at=_published_at(published_at),
+            task_id=message_id,
+        )  # fmt: skip
     except (OperationalError, InterfaceError):
         log.error("could not claim run %s: the database is away", run_id)
         return {"run_id": run_id, "outcome": "claim_failed"}

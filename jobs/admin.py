@@ -68,9 +68,18 @@ class AttemptInline(admin.TabularInline):
         "finished_at",
         "error",
         "logs",
+        "task",
     )
     readonly_fields = fields
     can_delete = False
+
+    @admin.display(description="Celery task")
+    def task(self, attempt):
+        # Its TaskResult (django-celery-results) when SCHEDULER_CELERY_RESULTS is on.
+        if not attempt.task_id:
+            return "-"
+        url = reverse("admin:django_celery_results_taskresult_changelist")
+        return format_html('<a href="{}?task_id={}">{}</a>', url, attempt.task_id, attempt.task_id)
 
     @admin.display(description="logs")
     def logs(self, attempt):

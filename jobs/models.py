@@ -195,6 +195,9 @@ class Attempt(models.Model):
     # Unique per claim call: a worker whose claim's commit was ambiguous (the connection
     # dropped during COMMIT) recognizes its own attempt when it asks again.
     claim_id = models.UUIDField(null=True, blank=True)
+    # The id of the Celery task that delivered it (its outbox row's message_id): the key of
+    # its result in django-celery-results when SCHEDULER_CELERY_RESULTS is on.
+    task_id = models.CharField(max_length=64, blank=True, default="")
     lease_expires_at = models.DateTimeField()
     # started_at + timeout_seconds: the worker stops the handler then; the reaper after.
     deadline_at = models.DateTimeField(null=True, blank=True)

@@ -38,6 +38,7 @@ INSTALLED_APPS = [
     "rest_framework",
     "rest_framework.authtoken",
     "drf_spectacular",
+    "django_celery_results",  # its tables always; used as the backend when switched on
     "jobs",
     "dispatch",
     "logs_app",

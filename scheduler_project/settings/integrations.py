@@ -38,8 +38,12 @@ CELERY_TASK_SERIALIZER = "json"
 CELERY_RESULT_SERIALIZER = "json"
 CELERY_ACCEPT_CONTENT = ["json"]
 CELERY_TASK_DEFAULT_DELIVERY_MODE = "persistent"
-CELERY_TASK_IGNORE_RESULT = True
-CELERY_RESULT_BACKEND = None
+# Results are the runs' own (jobs.Run.result); Celery's copy only when asked for, as it
+# costs a write per task: then django-celery-results keeps each task's state, name, args
+# (the run ids) and worker, for AsyncResult, inspect, Flower and the admin.
+CELERY_TASK_IGNORE_RESULT = not env.SCHEDULER_CELERY_RESULTS
+CELERY_RESULT_BACKEND = "django-db" if env.SCHEDULER_CELERY_RESULTS else None
+CELERY_RESULT_EXTENDED = env.SCHEDULER_CELERY_RESULTS
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
 CELERY_BROKER_CONNECTION_MAX_RETRIES = None
 # A pool process keeps its database connection across tasks: Celery's Django fix-up closes
