@@ -126,7 +126,7 @@ def test_standalone_on_embedded_defaults_runs_a_job_end_to_end(tmp_path):
 def _answers(http: requests.Session, url: str) -> bool:
     try:
         return http.get(url, timeout=2).status_code == 200
-    except requests.ConnectionError:
+    except (requests.ConnectionError, requests.Timeout):  # not up, or still warming up
         return False
 
 
