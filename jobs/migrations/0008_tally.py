@@ -139,6 +139,7 @@ SQLITE = [
     "VALUES ('scheduler_attempts_total', 'outcome=\"' || NEW.state || '\"', 0, 1, 0) "
     "ON CONFLICT (name, labels, shard) DO UPDATE SET count = count + 1; END",
 ]
+# Their names, in the order of SQLITE (jobs.apps restores any that a table remake dropped).
 SQLITE_TRIGGERS = ("run_measure_insert", "run_measure_release", "run_measure_start",
                    "run_measure_finish", "attempt_measure_finish")
 
