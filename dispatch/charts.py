@@ -87,9 +87,12 @@ def line_chart(*, title: str, series: list[Series], unit: str = "", x_label: str
                     f'points="{" ".join(segment)}" data-series="{escape(s.label)}" '
                     f'data-max="{peak:g}"/>'
                 )
+        # The legend names the series and its peak; its colour inline, as the page's
+        # stylesheet sets every chart text's fill.
+        legend = f"{s.label}: peak {_format(peak, unit)}" if present else f"{s.label}: none"
         parts.append(
-            f'<text x="{PAD_LEFT + 8 + n * 90}" y="{PAD_TOP + 10}" fill="{s.color}">'
-            f"{escape(s.label)}</text>"
+            f'<text x="{PAD_LEFT + 8 + n * 130}" y="{PAD_TOP + 10}" style="fill: {s.color}">'
+            f"{escape(legend)}</text>"
         )
     parts.append("</svg>")
     return mark_safe("".join(parts))  # noqa: S308 - every interpolated text is escaped
