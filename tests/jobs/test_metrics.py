@@ -43,21 +43,33 @@ def histogram(samples: dict, name: str) -> tuple[float, float, dict[str, float]]
     return samples[(f"{name}_count", ())], samples[(f"{name}_sum", ())], buckets
 
 
+@pytest.fixture
+def operator_api(db):
+    """/metrics is for operators (SPEC, "Security"): a superuser's token client."""
+    from django.contrib.auth import get_user_model
+
+    from tests import factories
+
+    return factories.api_client(get_user_model().objects.create_superuser("metrics-operator"))
+
+
 def at(seconds: float) -> dt.datetime:
     return PINNED_NOW + dt.timedelta(seconds=seconds)
 
 
-def test_metrics_export_the_durable_counters_with_their_labels(api):
+def test_metrics_export_the_durable_counters_with_their_labels(operator_api):
     from jobs.counters import counter_increment
 
     counter_increment("scheduler_lease_expired_total", by=3)
     counter_increment("scheduler_reconcile_repairs_total", labels='kind="republished"')
-    text = api.get("/metrics").content.decode()
+    text = operator_api.get("/metrics").content.decode()
     assert "scheduler_lease_expired_total 3.0" in text
     assert 'scheduler_reconcile_repairs_total{kind="republished"} 1.0' in text
 
 
-def test_histograms_and_attempts_count_each_stage_once_and_survive_pruning(api, queued_run):
+def test_histograms_and_attempts_count_each_stage_once_and_survive_pruning(
+    operator_api, queued_run
+):
     """Three runs with known stage times: the histograms hold exactly their observations,
     in the right buckets, and the attempt counter is not lowered by deleting the rows."""
     ran, failed, retrying = (
@@ -72,7 +84,7 @@ def test_histograms_and_attempts_count_each_stage_once_and_survive_pruning(api, 
     assert attempt_fail(attempt=attempts[failed.id], now=at(3.3), error="x", retry_at=None)
     assert attempt_fail(attempt=attempts[retrying.id], now=at(0.4), error="x", retry_at=at(9))
 
-    samples = scrape(api.get("/metrics").content.decode())
+    samples = scrape(operator_api.get("/metrics").content.decode())
     count, total, buckets = histogram(samples, "scheduler_discovery_lag_seconds")
     assert (count, buckets["0.01"], buckets["0.025"]) == (3, 0, 3)
     assert total == pytest.approx(0.06)
@@ -91,12 +103,12 @@ def test_histograms_and_attempts_count_each_stage_once_and_survive_pruning(api, 
 
     Attempt.objects.all().delete()  # what a retention policy will do
     Run.objects.all().delete()
-    after = scrape(api.get("/metrics").content.decode())
+    after = scrape(operator_api.get("/metrics").content.decode())
     assert after[("scheduler_attempts_total", (("outcome", "failed"),))] == 2
     assert histogram(after, "scheduler_run_duration_seconds")[0] == 2
 
 
-def test_a_one_time_job_dated_in_the_past_is_measured_from_its_acceptance(api, user):
+def test_a_one_time_job_dated_in_the_past_is_measured_from_its_acceptance(operator_api, user):
     """A job dated 2020 accepted at PINNED_NOW (2030) and materialized 0.5 s later: its
     run's discovery lag is 0.5 s, not ten years; the run keeps its scheduled_for."""
     run_at = dt.datetime(2020, 1, 1, tzinfo=dt.UTC)
@@ -104,15 +116,15 @@ def test_a_one_time_job_dated_in_the_past_is_measured_from_its_acceptance(api, u
     scheduler_pass(at(0.5))
     run = Run.objects.get(job=job)
     assert (run.scheduled_for, run.due_at) == (run_at, PINNED_NOW)
-    samples = scrape(api.get("/metrics").content.decode())
+    samples = scrape(operator_api.get("/metrics").content.decode())
     count, total, _ = histogram(samples, "scheduler_discovery_lag_seconds")
     assert (count, total) == (1, pytest.approx(0.5))
 
 
-def test_every_histogram_has_the_buckets_the_migration_counts_in(api):
+def test_every_histogram_has_the_buckets_the_migration_counts_in(operator_api):
     migration = importlib.import_module("jobs.migrations.0008_tally")
     assert migration.BUCKETS == BUCKETS
-    samples = scrape(api.get("/metrics").content.decode())
+    samples = scrape(operator_api.get("/metrics").content.decode())
     for name in STAGES:
         count, total, buckets = histogram(samples, name)
         assert (count, total) == (0, 0)

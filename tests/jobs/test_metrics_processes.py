@@ -7,6 +7,7 @@ from collections import Counter
 
 import pytest
 import requests
+from django.contrib.auth import get_user_model
 from django.db.models import F
 
 from dispatch.management.commands.standalone import web_argv
@@ -24,7 +25,7 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def test_two_web_processes_export_the_runs_and_attempts_in_the_database(stack, user):
+def test_two_web_processes_export_the_runs_and_attempts_in_the_database(stack):
     ports = [free_port(), free_port()]
     for n, port in enumerate(ports):
         stack.start(f"web{n}", web_argv(host="127.0.0.1", port=port, workers=1))
@@ -37,7 +38,8 @@ def test_two_web_processes_export_the_runs_and_attempts_in_the_database(stack, u
     terminal = Run.objects.filter(job__in=jobs, state__in=[RunState.SUCCEEDED, RunState.FAILED])
     wait_for(lambda: terminal.count() == len(jobs), timeout=90, message="every run to end")
 
-    token = factories.token_for(user)
+    operator = get_user_model().objects.create_superuser("metrics-scraper")  # /metrics: operators
+    token = factories.token_for(operator)
     session = requests.Session()
     session.headers["Authorization"] = f"Token {token}"
 
