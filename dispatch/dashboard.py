@@ -22,6 +22,7 @@ from django.http import HttpRequest, HttpResponse, HttpResponseForbidden
 from django.shortcuts import render
 
 from jobs.clock import db_now
+from jobs.metrics import oldest_overdue_seconds
 from jobs.models import (
     Attempt,
     AttemptState,
@@ -194,7 +195,6 @@ def dashboard_figures(*, user: AbstractBaseUser, now: dt.datetime | None = None)
     runs = _window_runs(since)
     by_state = dict(Run.objects.values_list("state").annotate(n=Count("id")).order_by())
     due_jobs = Job.objects.filter(state=JobState.ACTIVE, next_run_at__lte=now)
-    oldest_due = due_jobs.aggregate(at=Min("next_run_at"))["at"]
     oldest_queued = Run.objects.filter(state=RunState.QUEUED).aggregate(at=Min("updated_at"))["at"]
     throughput, finished = _throughput_chart(runs, since)
     top_failing = (
@@ -214,9 +214,7 @@ def dashboard_figures(*, user: AbstractBaseUser, now: dt.datetime | None = None)
         "runs_by_state": [(state, by_state.get(state, 0)) for state in RunState.values],
         "due_now": due_jobs.count(),
         "overdue_now": due_jobs.filter(next_run_at__lte=now - OVERDUE_AFTER).count(),
-        "oldest_overdue_seconds": max(0.0, (now - oldest_due).total_seconds())
-        if oldest_due
-        else 0.0,
+        "oldest_overdue_seconds": oldest_overdue_seconds(now=now),
         "oldest_queued_seconds": max(0.0, (now - oldest_queued).total_seconds())
         if oldest_queued
         else 0.0,

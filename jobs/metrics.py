@@ -8,10 +8,12 @@ lowers; gauges are computed from the rows now.
 
 from __future__ import annotations
 
+import datetime as dt
 import re
 from collections import defaultdict
 
 from django.db.models import Count, Min, Sum
+from django.db.models.functions import Coalesce, Greatest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from .clock import db_now
@@ -59,6 +61,17 @@ STAGES = {
     "scheduler_queue_wait_seconds": "Published -> first attempt started.",
     "scheduler_run_duration_seconds": "First attempt started -> run finished.",
 }
+
+
+def oldest_overdue_seconds(*, now: dt.datetime) -> float:
+    """How long the oldest due occurrence not yet materialized has been due, counted from
+    the job's acceptance (creation or resume) when that came later, as the discovery lag
+    is: a job dated 2020 is not six years overdue (through job_due_idx's due range)."""
+    due_since = Greatest("next_run_at", "created_at", Coalesce("resumed_at", "created_at"))
+    oldest = Job.objects.filter(state=JobState.ACTIVE, next_run_at__lte=now).aggregate(
+        at=Min(due_since)
+    )["at"]
+    return max(0.0, (now - oldest).total_seconds()) if oldest else 0.0
 
 
 def _histograms() -> dict[str, tuple[list[tuple[str, float]], float]]:
@@ -121,12 +134,10 @@ class DatabaseCollector:
             "Age of the oldest unpublished outbox row (alarm when it keeps growing).",
             value=max(0.0, (now - oldest_pending).total_seconds()) if oldest_pending else 0.0,
         )
-        oldest = Job.objects.filter(state=JobState.ACTIVE).aggregate(at=Min("next_run_at"))["at"]
-        overdue = max(0.0, (now - oldest).total_seconds()) if oldest else 0.0
         yield GaugeMetricFamily(
             "scheduler_oldest_overdue_seconds",
-            "Age of the oldest due occurrence not yet materialized.",
-            value=overdue,
+            "Age of the oldest due occurrence not yet materialized (from acceptance, if later).",
+            value=oldest_overdue_seconds(now=now),
         )
         for name, (buckets, total) in _histograms().items():
             yield HistogramMetricFamily(name, STAGES[name], buckets=buckets, sum_value=total)

@@ -194,3 +194,12 @@ print(generate_latest(registry).decode())
     )
     assert samples[("scheduler_attempts_total", (("outcome", "succeeded"),))] == 1
     assert samples[("scheduler_attempts_total", (("outcome", "failed"),))] == 1
+
+
+def test_a_job_dated_in_the_past_is_overdue_from_its_acceptance(operator_api, user):
+    """Accepted 30 s ago with a run_at of 2020 and not materialized yet (no scheduler ran):
+    overdue by 30 s, not by years."""
+    accepted = dt.datetime.now(dt.UTC) - dt.timedelta(seconds=30)
+    make_job(user, now=accepted, schedule={"kind": "once", "run_at": "2020-01-01T00:00:00Z"})
+    samples = scrape(operator_api.get("/metrics").content.decode())
+    assert 30 <= samples[("scheduler_oldest_overdue_seconds", ())] < 60
