@@ -203,3 +203,27 @@ def test_a_job_dated_in_the_past_is_overdue_from_its_acceptance(operator_api, us
     make_job(user, now=accepted, schedule={"kind": "once", "run_at": "2020-01-01T00:00:00Z"})
     samples = scrape(operator_api.get("/metrics").content.decode())
     assert 30 <= samples[("scheduler_oldest_overdue_seconds", ())] < 60
+
+
+def test_a_delivery_is_measured_without_a_statement_of_its_own(operator_api, queued_run):
+    """The worker's hot path sends what it sent before the histograms (the claim, the
+    success with its log manifest); the database's triggers count the run as it commits."""
+    from django.db import connection
+    from django.test.utils import CaptureQueriesContext
+
+    from dispatch.runtime import run_execute_delivery
+
+    run = queued_run()
+    with CaptureQueriesContext(connection) as statements:
+        outcome = run_execute_delivery(
+            run_id=str(run.id), handler=lambda ctx: None, worker="w", message_id="m",
+            published_at=at(0.1).isoformat(),
+        )  # fmt: skip
+    assert outcome["outcome"] == "succeeded"
+    sent = [q["sql"] for q in statements.captured_queries if "SAVEPOINT" not in q["sql"]]
+    # The claim (one statement), the attempt's and run's success, the log manifest.
+    assert len(sent) == 3 and not [sql for sql in sent if "jobs_tally" in sql]
+    samples = scrape(operator_api.get("/metrics").content.decode())
+    assert histogram(samples, "scheduler_queue_wait_seconds")[0] == 1
+    assert histogram(samples, "scheduler_run_duration_seconds")[0] == 1
+    assert samples[("scheduler_attempts_total", (("outcome", "succeeded"),))] == 1
