@@ -203,7 +203,10 @@ def _overlap_runs(jobs: list[Job]) -> dict:
 
 def _new_run(job: Job, version: JobVersion, at: dt.datetime, now: dt.datetime) -> Run:
     key = keys.occurrence_key(job.id, at)
-    due_at = at + run_jitter(key, job.spec.get("jitter_seconds") or 0)
+    # Nothing is due before it was accepted (or resumed): a one-time job dated in the past
+    # is due on acceptance, so the discovery lag measures the scheduler, not the date.
+    accepted = min(max(job.created_at, job.resumed_at or job.created_at), now)
+    due_at = max(at + run_jitter(key, job.spec.get("jitter_seconds") or 0), accepted)
     return Run(
         job=job,
         job_version=version,

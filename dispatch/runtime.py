@@ -18,6 +18,7 @@ import uuid
 from collections.abc import Callable
 from typing import TypeVar
 
+import sentry_sdk
 from celery.exceptions import SoftTimeLimitExceeded
 from django.db import DatabaseError, InterfaceError, OperationalError, connection, transaction
 from django.db.models.functions import Now
@@ -303,7 +304,9 @@ def _with_database_retries(write: Callable[[], T]) -> T:
             delay = min(delay * 2, 5.0)
 
 
-def _claim(*, run_id: str, worker: str, published_at: dt.datetime | None) -> Attempt | None:
+def _claim(
+    *, run_id: str, worker: str, published_at: dt.datetime | None, task_id: str
+) -> Attempt | None:
     """Claim the delivered run (one statement), retrying through a database outage for a
     bounded time. None: not claimable (a duplicate delivery, a cancelled or unknown run).
 
@@ -321,7 +324,10 @@ def _claim(*, run_id: str, worker: str, published_at: dt.datetime | None) -> Att
             )
             if mine is not None:
                 return mine
-        return run_claim(run_id=run_id, worker=worker, claim_id=claim_id, published_at=published_at)
+        return run_claim(
+            run_id=run_id, worker=worker, claim_id=claim_id, published_at=published_at,
+            task_id=task_id,
+        )  # fmt: skip
 
     return _with_database_retries(claim)
 
@@ -406,7 +412,10 @@ def run_execute_delivery(
     own soft time limit, for runs packed in one message (whose Celery limit is the pack's);
     `successes`: the pack's batch, which records a success with the others'."""
     try:
-        attempt = _claim(run_id=run_id, worker=worker, published_at=_published_at(published_at))
+        attempt = _claim(
+            run_id=run_id, worker=worker, published_at=_published_at(published_at),
+            task_id=message_id,
+        )  # fmt: skip
     except (OperationalError, InterfaceError):
         log.error("could not claim run %s: the database is away", run_id)
         return {"run_id": run_id, "outcome": "claim_failed"}
@@ -480,6 +489,7 @@ def _execute(
         # a while, and the reaper must not take the run meanwhile.
         logs = _finish_capture(capture, attempt)
         lease.finishing = True
+        _report_failure(exc, run=run, attempt=attempt)
         write = _failure_writer(run=run, attempt=attempt, exc=exc, worker=worker, logs=logs)
         if not isinstance(exc, Exception):
             # KeyboardInterrupt, SystemExit, CancelledError: recorded, then left to end the
@@ -508,6 +518,19 @@ def _execute(
         _count_stale(str(run.id), attempt)
         outcome = "stale"
     return {"run_id": str(run.id), "attempt": attempt.number, "outcome": outcome}
+
+
+def _report_failure(exc: BaseException, *, run: Run, attempt: Attempt) -> None:
+    """A handler's exception to Sentry, when SENTRY_DSN set it up: the worker records it
+    as the attempt's outcome, so Celery's integration never sees it escape the task."""
+    if not isinstance(exc, Exception) or not sentry_sdk.is_initialized():
+        return
+    with sentry_sdk.new_scope() as scope:
+        scope.set_tag("task", run.job_version.spec["task"])
+        scope.set_tag("run_id", str(run.id))
+        scope.set_tag("job_id", str(run.job_id))
+        scope.set_tag("attempt", str(attempt.number))
+        sentry_sdk.capture_exception(exc)
 
 
 def _count_stale(run_id, attempt: Attempt) -> None:

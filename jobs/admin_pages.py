@@ -185,6 +185,13 @@ def run_page(*, run: Run) -> dict:
             attempt.finished_at - attempt.started_at if attempt.finished_at else None
         )
         attempt.log_url = reverse("admin:logs_app_attempt_log", args=[attempt.id])
+        # Its TaskResult (django-celery-results), kept when SCHEDULER_CELERY_RESULTS is on.
+        attempt.task_url = (
+            reverse("admin:django_celery_results_taskresult_changelist")
+            + f"?task_id={attempt.task_id}"
+            if attempt.task_id
+            else ""
+        )
     events = run_history(run=run)
     for event in events:
         event.data_text = _json(event.data) if event.data else ""

@@ -136,6 +136,7 @@ class AttemptOutput(serializers.Serializer):
     state = serializers.CharField()
     fencing_token = serializers.IntegerField()
     worker = serializers.CharField()
+    task_id = serializers.CharField()  # the delivering Celery task (AsyncResult's id)
     started_at = serializers.DateTimeField()
     heartbeat_at = serializers.DateTimeField()
     lease_expires_at = serializers.DateTimeField()

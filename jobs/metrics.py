@@ -1,20 +1,23 @@
 """/metrics: read at scrape time from the database, so every process's events are counted.
 
-Counters come from the durable `Counter` table; gauges and the per-stage lateness are
-computed from the runs of the last `LAG_WINDOW` (quantiles 0.5, 0.99 and 1).
+Counters come from the durable `Counter` table; the stage lags, the run duration and the
+attempts by outcome from `Tally`, which the database's triggers keep as the events commit
+(jobs/migrations/0008_tally.py), so they are histograms and counters that pruning never
+lowers; gauges are computed from the rows now.
 """
 
 from __future__ import annotations
 
 import datetime as dt
 import re
+from collections import defaultdict
 
-from django.db.models import Count, DurationField, ExpressionWrapper, F, Min
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from django.db.models import Count, Min, Sum
+from django.db.models.functions import Coalesce, Greatest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from .clock import db_now
 from .models import (
-    Attempt,
     AttemptState,
     Counter,
     Job,
@@ -23,10 +26,9 @@ from .models import (
     OutboxState,
     Run,
     RunState,
+    Tally,
 )
 
-LAG_WINDOW = dt.timedelta(minutes=10)
-LAG_SAMPLE = 10_000
 # name -> (help, label names). A Counter row's labels are stored as `kind="effect"`.
 COUNTERS = {
     "scheduler_duplicate_deliveries_total": (
@@ -46,26 +48,49 @@ COUNTERS = {
         ["kind"],
     ),
 }
+# The buckets (upper bounds, seconds) jobs/migrations/0008_tally.py counts in: exported even
+# while empty, so every histogram has the same series from its first scrape.
+BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+           300.0, 900.0, 3600.0, 21600.0, 86400.0)  # fmt: skip
 LABEL = re.compile(r'(\w+)="([^"]*)"')
 STAGES = {
-    "scheduler_discovery_lag_seconds": ("due_at", "created_at", "Due -> run created."),
-    "scheduler_publish_lag_seconds": (
-        "created_at",
-        "published_at",
-        "Run created -> confirmed by the broker.",
+    "scheduler_discovery_lag_seconds": (
+        "Due (or accepted, if later) -> run created queued, or released by the promoter."
     ),
-    "scheduler_queue_wait_seconds": ("published_at", "started_at", "Published -> attempt started."),
-    "scheduler_run_duration_seconds": ("started_at", "finished_at", "Started -> finished."),
+    "scheduler_publish_lag_seconds": "Run publishable -> confirmed by the broker.",
+    "scheduler_queue_wait_seconds": "Published -> first attempt started.",
+    "scheduler_run_duration_seconds": "First attempt started -> run finished.",
 }
 
 
-def _quantiles(values: list[float]) -> dict[str, float]:
-    values = sorted(values)
-    if not values:
-        return {}
-    return {
-        q: values[min(len(values) - 1, int(float(q) * len(values)))] for q in ("0.5", "0.99")
-    } | {"1": values[-1]}
+def oldest_overdue_seconds(*, now: dt.datetime) -> float:
+    """How long the oldest due occurrence not yet materialized has been due, counted from
+    the job's acceptance (creation or resume) when that came later, as the discovery lag
+    is: a job dated 2020 is not six years overdue (through job_due_idx's due range)."""
+    due_since = Greatest("next_run_at", "created_at", Coalesce("resumed_at", "created_at"))
+    oldest = Job.objects.filter(state=JobState.ACTIVE, next_run_at__lte=now).aggregate(
+        at=Min(due_since)
+    )["at"]
+    return max(0.0, (now - oldest).total_seconds()) if oldest else 0.0
+
+
+def _histograms() -> dict[str, tuple[list[tuple[str, float]], float]]:
+    """Stage name -> (cumulative (le, count) buckets ending with +Inf, sum)."""
+    shares = Tally.objects.filter(name__in=list(STAGES)).values_list("name", "labels")
+    shares = shares.annotate(count=Sum("count"), total=Sum("total"))
+    buckets: dict[str, dict[float, int]] = defaultdict(dict)
+    sums: dict[str, float] = defaultdict(float)
+    for name, labels, count, total in shares:
+        buckets[name][float(dict(LABEL.findall(labels))["le"])] = count
+        sums[name] += total
+    exported = {}
+    for name in STAGES:
+        cumulative, running = [], 0
+        for le in sorted(buckets[name].keys() | {*BUCKETS, float("inf")}):
+            running += buckets[name].get(le, 0)
+            cumulative.append(("+Inf" if le == float("inf") else repr(le), running))
+        exported[name] = (cumulative, sums[name])
+    return exported
 
 
 class DatabaseCollector:
@@ -80,18 +105,17 @@ class DatabaseCollector:
             if not rows and not label_names:
                 family.add_metric([], 0)
             yield family
-        # Derived from the rows themselves (no extra write per attempt); pruning old rows
-        # lowers them, which Prometheus reads as a counter reset.
         attempts = CounterMetricFamily(
             "scheduler_attempts", "Attempts finished, by outcome.", labels=["outcome"]
         )
-        finished = (
-            Attempt.objects.exclude(state=AttemptState.RUNNING)
-            .values_list("state")
-            .annotate(count=Count("id"))
+        finished = dict(
+            Tally.objects.filter(name="scheduler_attempts_total")
+            .values_list("labels")
+            .annotate(count=Sum("count"))
         )
-        for state, count in finished:
-            attempts.add_metric([state], count)
+        for state in AttemptState.values:
+            if state != AttemptState.RUNNING:
+                attempts.add_metric([state], finished.get(f'outcome="{state}"', 0))
         yield attempts
         yield CounterMetricFamily(
             "scheduler_dead_letter",
@@ -110,26 +134,13 @@ class DatabaseCollector:
             "Age of the oldest unpublished outbox row (alarm when it keeps growing).",
             value=max(0.0, (now - oldest_pending).total_seconds()) if oldest_pending else 0.0,
         )
-        oldest = Job.objects.filter(state=JobState.ACTIVE).aggregate(at=Min("next_run_at"))["at"]
-        overdue = max(0.0, (now - oldest).total_seconds()) if oldest else 0.0
         yield GaugeMetricFamily(
             "scheduler_oldest_overdue_seconds",
-            "Age of the oldest due occurrence not yet materialized.",
-            value=overdue,
+            "Age of the oldest due occurrence not yet materialized (from acceptance, if later).",
+            value=oldest_overdue_seconds(now=now),
         )
-        recent = Run.objects.filter(created_at__gte=now - LAG_WINDOW)
-        for name, (start, end, help_text) in STAGES.items():
-            family = GaugeMetricFamily(
-                name, f"{help_text} Quantiles over the last 10 minutes.", labels=["quantile"]
-            )
-            durations = (
-                recent.filter(**{f"{start}__isnull": False, f"{end}__isnull": False})
-                .annotate(lag=ExpressionWrapper(F(end) - F(start), output_field=DurationField()))
-                .values_list("lag", flat=True)[:LAG_SAMPLE]
-            )
-            for quantile, value in _quantiles([d.total_seconds() for d in durations]).items():
-                family.add_metric([quantile], value)
-            yield family
+        for name, (buckets, total) in _histograms().items():
+            yield HistogramMetricFamily(name, STAGES[name], buckets=buckets, sum_value=total)
         runs = GaugeMetricFamily("scheduler_runs", "Runs by state.", labels=["state"])
         counts = dict(Run.objects.values_list("state").annotate(count=Count("id")))
         for state in RunState.values:  # every state, zeros included, in one query

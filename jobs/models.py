@@ -202,6 +202,9 @@ class Attempt(models.Model):
     # Unique per claim call: a worker whose claim's commit was ambiguous (the connection
     # dropped during COMMIT) recognizes its own attempt when it asks again.
     claim_id = models.UUIDField(null=True, blank=True)
+    # The id of the Celery task that delivered it (its outbox row's message_id): the key of
+    # its result in django-celery-results when SCHEDULER_CELERY_RESULTS is on.
+    task_id = models.CharField(max_length=64, blank=True, default="")
     lease_expires_at = models.DateTimeField()
     # started_at + timeout_seconds: the worker stops the handler then; the reaper after.
     deadline_at = models.DateTimeField(null=True, blank=True)
@@ -404,3 +407,26 @@ class ThrottleWindow(models.Model):
 
     def __str__(self) -> str:
         return f"{self.throttle_key}: {self.hits} in window {self.bucket}"
+
+
+class Tally(models.Model):
+    """One shard of a metric that PostgreSQL's triggers keep as the events commit
+    (jobs/migrations/0008_tally.py; docs/operations.md, "Metrics"): a histogram bucket
+    (`labels` `le="0.5"`: observations in that bucket alone, with their sum) or a counter
+    (`outcome="failed"`). Each database session adds to its own shard, so concurrent
+    workers never wait on one row; /metrics adds the shards up."""
+
+    name = models.CharField(max_length=200)
+    labels = models.CharField(max_length=400, blank=True, default="")
+    shard = models.SmallIntegerField(default=0)
+    count = models.BigIntegerField(default=0)
+    total = models.FloatField(default=0.0)
+
+    class Meta:
+        db_table = "jobs_tally"
+        constraints = [
+            models.UniqueConstraint(fields=["name", "labels", "shard"], name="tally_unique"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.name}{{{self.labels}}} #{self.shard} {self.count}"

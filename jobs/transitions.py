@@ -249,13 +249,15 @@ def run_claim(
     timeout_seconds: float | None = None,
     claim_id: uuid.UUID | None = None,
     published_at: dt.datetime | None = None,
+    task_id: str = "",
 ) -> Attempt | None:
     """queued -> running, with a new attempt holding the next fencing token and a lease.
 
     None when the run is not queued: a duplicate delivery of a run already claimed or
     finished, which the caller refuses and counts. `now` defaults to the database's clock;
     `lease_seconds` and `timeout_seconds` to the spec's heartbeat and run timeouts.
-    `published_at` (from the delivered message) stamps the run's first publication.
+    `published_at` (from the delivered message) stamps the run's first publication;
+    `task_id` is the delivering Celery task's id, kept on the attempt.
 
     The attempt comes with `attempt.run` (and `run.job_version.spec`) as the claim read
     them, so a worker needs nothing more before it runs the handler. On PostgreSQL the
@@ -270,6 +272,7 @@ def run_claim(
         "lease": lease_seconds,
         "timeout": timeout_seconds,
         "published_at": published_at,
+        "task_id": task_id[:64],
         "running": RunState.RUNNING,
         "attempt_running": AttemptState.RUNNING,
         "from_states": sorted(RUN_TRANSITIONS[RunState.RUNNING]),
@@ -289,7 +292,7 @@ def run_claim(
     attempt = Attempt(
         id=row["attempt_id"], run=run, number=row["attempt_count"],
         fencing_token=row["fencing_token"], state=AttemptState.RUNNING, worker=worker[:200],
-        claim_id=claim_id, lease_expires_at=row["lease_expires_at"],
+        claim_id=claim_id, task_id=params["task_id"], lease_expires_at=row["lease_expires_at"],
         deadline_at=row["deadline_at"], heartbeat_at=row["now"], started_at=row["now"],
     )  # fmt: skip
     attempt._state.adding = False
@@ -330,9 +333,10 @@ def _claim_postgresql(params: dict) -> dict | None:
         ),
         attempt AS (
             INSERT INTO {attempt} (run_id, number, fencing_token, state, worker, claim_id,
-                                   lease_expires_at, deadline_at, heartbeat_at, started_at, error)
+                                   lease_expires_at, deadline_at, heartbeat_at, started_at, error,
+                                   task_id)
             SELECT id, attempt_count, fencing_token, %(attempt_running)s, %(worker)s,
-                   %(claim_id)s, lease_expires_at, deadline_at, now, now, ''
+                   %(claim_id)s, lease_expires_at, deadline_at, now, now, '', %(task_id)s
               FROM timed
          RETURNING id
         )
@@ -379,7 +383,7 @@ def _claim_portable(params: dict) -> dict | None:
         attempt = Attempt.objects.create(
             run_id=row["id"], number=row["attempt_count"], fencing_token=row["fencing_token"],
             state=AttemptState.RUNNING, worker=params["worker"], claim_id=params["claim_id"],
-            lease_expires_at=now + dt.timedelta(seconds=lease),
+            task_id=params["task_id"], lease_expires_at=now + dt.timedelta(seconds=lease),
             deadline_at=now + dt.timedelta(seconds=timeout) if timeout else None,
             heartbeat_at=now, started_at=now,
         )  # fmt: skip

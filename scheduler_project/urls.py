@@ -17,6 +17,7 @@ urlpatterns = [
     path("admin/", admin.site.urls),
     path("api/v1/", include("jobs.urls")),
     path("api/v1/", include("logs_app.urls")),
+    path("dashboard/", include("dispatch.urls")),
     path("api/schema/", SpectacularAPIView.as_view(), name="schema"),
     path("api/docs/", SpectacularSwaggerView.as_view(url_name="schema"), name="api-docs"),
     path("healthz", ops.healthz),

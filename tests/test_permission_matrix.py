@@ -31,7 +31,8 @@ class Row:
     # who may: "tenant" (the object's owner, operators, superusers; others get 404),
     # "authenticated" (anyone with credentials; lists show only what the user may see),
     # "operator" (operators and superusers; others 403), "probe" (anyone), "admin" (the
-    # admin's door: staff and superusers), "redirect" (anyone: an old address).
+    # admin's door: staff and superusers), "redirect" (anyone: an old address), "dashboard"
+    # (a signed-in session of an operator or a superuser; anonymous: to the login page).
     access: str
 
 
@@ -60,6 +61,8 @@ ROUTES = {
     "healthz": Row(("GET",), "probe"),
     "readyz": Row(("GET",), "probe"),
     "metrics": Row(("GET",), "operator"),
+    "dashboard/": Row(("GET",), "dashboard"),
+    "dashboard/panel/": Row(("GET",), "dashboard"),
 }
 # Routes of the URL conf not in the matrix, each with its reason.
 NOT_IN_MATRIX = {
@@ -96,6 +99,8 @@ def expected(row: Row, principal: str, whose: str) -> str | int:
         return OK
     if row.access == "admin":
         return OK if principal in (STAFF, SUPERUSER) else 302
+    if row.access == "dashboard":
+        return 302 if principal == ANONYMOUS else OK if principal in (OPERATOR, SUPERUSER) else 403
     if principal == ANONYMOUS:
         return 401
     if row.access == "authenticated":
@@ -145,7 +150,7 @@ def test_permission_matrix(route, method, principal, whose):
     client = APIClient()
     if principal != ANONYMOUS:
         client.credentials(HTTP_AUTHORIZATION=f"Token {factories.token_for(me)}")
-        if ROUTES[route].access == "admin":
+        if ROUTES[route].access in ("admin", "dashboard"):
             client.force_login(me)
     response = getattr(client, method.lower())(url, {}, format="json")
     want = expected(ROUTES[route], principal, whose)

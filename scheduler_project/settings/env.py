@@ -74,3 +74,15 @@ SCHEDULER_THROTTLE_RATES = dict(
 SCHEDULER_NUM_PROXIES = int(env_str("SCHEDULER_NUM_PROXIES", "0"))
 # Lifetime of a new API token in days (0: tokens never expire).
 SCHEDULER_TOKEN_TTL_DAYS = int(env_str("SCHEDULER_TOKEN_TTL_DAYS", "90"))
+# plain: "time level logger message" lines; json: one JSON object per line (for a log
+# shipper), with the record's extra fields (a run's logger adds run_id and attempt).
+SCHEDULER_LOG_FORMAT = env_str("SCHEDULER_LOG_FORMAT", "plain")
+if SCHEDULER_LOG_FORMAT not in {"plain", "json"}:
+    raise ValueError(f"SCHEDULER_LOG_FORMAT must be plain or json, not {SCHEDULER_LOG_FORMAT!r}")
+# true: Celery's result backend is the database (django-celery-results), so AsyncResult,
+# `celery inspect`, Flower and the admin's task results show each delivery's task. Off by
+# default: it costs a write per task (docs/operations.md, "Celery's own tools").
+SCHEDULER_CELERY_RESULTS = env_bool("SCHEDULER_CELERY_RESULTS", False)
+# Sentry's performance tracing: the share of requests and tasks traced (0: errors only).
+SENTRY_TRACES_SAMPLE_RATE = float(env_str("SENTRY_TRACES_SAMPLE_RATE", "0"))
+SENTRY_ENVIRONMENT = os.environ.get("SENTRY_ENVIRONMENT", "")

@@ -42,8 +42,12 @@ CELERY_TASK_SERIALIZER = "json"
 CELERY_RESULT_SERIALIZER = "json"
 CELERY_ACCEPT_CONTENT = ["json"]
 CELERY_TASK_DEFAULT_DELIVERY_MODE = "persistent"
-CELERY_TASK_IGNORE_RESULT = True
-CELERY_RESULT_BACKEND = None
+# Results are the runs' own (jobs.Run.result); Celery's copy only when asked for, as it
+# costs a write per task: then django-celery-results keeps each task's state, name, args
+# (the run ids) and worker, for AsyncResult, inspect, Flower and the admin.
+CELERY_TASK_IGNORE_RESULT = not env.SCHEDULER_CELERY_RESULTS
+CELERY_RESULT_BACKEND = "django-db" if env.SCHEDULER_CELERY_RESULTS else None
+CELERY_RESULT_EXTENDED = env.SCHEDULER_CELERY_RESULTS
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
 CELERY_BROKER_CONNECTION_MAX_RETRIES = None
 # A pool process keeps its database connection across tasks: Celery's Django fix-up closes
@@ -79,8 +83,22 @@ SENTRY_DSN = env.SENTRY_DSN
 
 
 def init_sentry() -> None:
+    """Error reporting, on when SENTRY_DSN is set: unhandled exceptions of web requests
+    (Django) and of Celery tasks, ERROR log records, and handlers' failures, which the
+    worker reports itself (dispatch.runtime) since they end as the attempt's outcome
+    instead of escaping the task. No local variables and no personal data are sent: a
+    job's args may hold secrets (docs/operations.md, "Error reporting")."""
     if not SENTRY_DSN:
         return
     import sentry_sdk
+    from sentry_sdk.integrations.celery import CeleryIntegration
+    from sentry_sdk.integrations.django import DjangoIntegration
 
-    sentry_sdk.init(dsn=SENTRY_DSN, send_default_pii=False, traces_sample_rate=0.0)
+    sentry_sdk.init(
+        dsn=SENTRY_DSN,
+        integrations=[DjangoIntegration(), CeleryIntegration()],
+        environment=env.SENTRY_ENVIRONMENT or None,
+        send_default_pii=False,
+        include_local_variables=False,
+        traces_sample_rate=env.SENTRY_TRACES_SAMPLE_RATE,
+    )

@@ -16,11 +16,12 @@ from django.db.models import Count
 from jobs.models import Counter, Run, RunState
 from jobs.transitions import TERMINAL_RUN_STATES
 from tests.factories import one_time_job
-from tests.faults.helpers import counter
+from tests.faults.helpers import counter, restarts_services
 from tests.faults.invariants import invariant_violations
 from tests.processes import wait_for
 
-pytestmark = [pytest.mark.slow, pytest.mark.faults]
+# RabbitMQ and PostgreSQL are each restarted once.
+pytestmark = [pytest.mark.slow, pytest.mark.faults, restarts_services]
 
 RUNS = 300
 DUE_OVER_SECONDS = 45

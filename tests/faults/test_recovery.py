@@ -7,7 +7,7 @@ import pytest
 
 from jobs.models import AttemptState, AuditEvent, FailureReason, OutboxMessage, Run, RunState
 from tests.factories import one_time_job
-from tests.faults.helpers import counter
+from tests.faults.helpers import counter, restarts_services
 from tests.faults.invariants import invariant_violations
 from tests.processes import purge_queue, wait_for
 
@@ -79,6 +79,7 @@ def _set_consumer_timeout(milliseconds: int) -> None:
     )  # fmt: skip
 
 
+@restarts_services  # sets the machine's RabbitMQ-wide consumer_timeout
 def test_run_longer_than_the_consumer_timeout_finishes_once(stack, report_figure):
     # RabbitMQ 3.10 has only the global setting, and checks it once a minute: a run of 75 s
     # against a 5 s timeout would lose its channel if it held its delivery unacknowledged.

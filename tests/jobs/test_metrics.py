@@ -1,4 +1,50 @@
-"""/metrics (jobs.metrics): the durable counters, with their labels."""
+"""/metrics (jobs.metrics): the durable counters with their labels, and the histograms and
+attempt counts the database's triggers keep (jobs/migrations/0008_tally.py)."""
+
+import datetime as dt
+import importlib
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from jobs.metrics import BUCKETS
+from jobs.models import Attempt, Run
+from jobs.transitions import attempt_fail, attempt_succeed, run_claim
+from tests.factories import PINNED_NOW, make_job, scheduler_pass
+
+STAGES = (
+    "scheduler_discovery_lag_seconds",
+    "scheduler_publish_lag_seconds",
+    "scheduler_queue_wait_seconds",
+    "scheduler_run_duration_seconds",
+)
+
+
+def scrape(text: str) -> dict:
+    """{(sample name, labels as a sorted tuple): value} of a /metrics text."""
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+
+
+def histogram(samples: dict, name: str) -> tuple[float, float, dict[str, float]]:
+    """(count, sum, {le: cumulative count}) of one histogram."""
+    buckets = {
+        dict(labels)["le"]: value
+        for (sample, labels), value in samples.items()
+        if sample == f"{name}_bucket"
+    }
+    return samples[(f"{name}_count", ())], samples[(f"{name}_sum", ())], buckets
+
+
+def at(seconds: float) -> dt.datetime:
+    return PINNED_NOW + dt.timedelta(seconds=seconds)
 
 
 def test_metrics_export_the_durable_counters_with_their_labels(operator_api):
@@ -9,3 +55,165 @@ def test_metrics_export_the_durable_counters_with_their_labels(operator_api):
     text = operator_api.get("/metrics").content.decode()
     assert "scheduler_lease_expired_total 3.0" in text
     assert 'scheduler_reconcile_repairs_total{kind="republished"} 1.0' in text
+
+
+def test_histograms_and_attempts_count_each_stage_once_and_survive_pruning(
+    operator_api, queued_run
+):
+    """Three runs with known stage times: the histograms hold exactly their observations,
+    in the right buckets, and the attempt counter is not lowered by deleting the rows."""
+    ran, failed, retrying = (
+        queued_run(run_at=PINNED_NOW, materialize_at=at(0.02), args=[n]) for n in range(3)
+    )
+    attempts = {}
+    for run in (ran, failed, retrying):
+        attempts[run.id] = run_claim(
+            run_id=run.id, worker="w", now=at(0.3), lease_seconds=300, published_at=at(0.1)
+        )
+    assert attempt_succeed(attempt=attempts[ran.id], now=at(1.3))
+    assert attempt_fail(attempt=attempts[failed.id], now=at(3.3), error="x", retry_at=None)
+    assert attempt_fail(attempt=attempts[retrying.id], now=at(0.4), error="x", retry_at=at(9))
+
+    samples = scrape(operator_api.get("/metrics").content.decode())
+    count, total, buckets = histogram(samples, "scheduler_discovery_lag_seconds")
+    assert (count, buckets["0.01"], buckets["0.025"]) == (3, 0, 3)
+    assert total == pytest.approx(0.06)
+    count, total, buckets = histogram(samples, "scheduler_publish_lag_seconds")
+    assert (count, buckets["0.05"], buckets["0.1"], buckets["+Inf"]) == (3, 0, 3, 3)
+    assert total == pytest.approx(0.24)
+    count, total, _ = histogram(samples, "scheduler_queue_wait_seconds")
+    assert (count, total) == (3, pytest.approx(0.6))
+    # Only the two runs that finished have a duration: 1 s and 3 s.
+    count, total, buckets = histogram(samples, "scheduler_run_duration_seconds")
+    assert (count, buckets["1.0"], buckets["2.5"], buckets["5.0"]) == (2, 1, 1, 2)
+    assert total == pytest.approx(4.0)
+    assert samples[("scheduler_attempts_total", (("outcome", "succeeded"),))] == 1
+    assert samples[("scheduler_attempts_total", (("outcome", "failed"),))] == 2
+    assert samples[("scheduler_attempts_total", (("outcome", "lost"),))] == 0
+
+    Attempt.objects.all().delete()  # what a retention policy will do
+    Run.objects.all().delete()
+    after = scrape(operator_api.get("/metrics").content.decode())
+    assert after[("scheduler_attempts_total", (("outcome", "failed"),))] == 2
+    assert histogram(after, "scheduler_run_duration_seconds")[0] == 2
+
+
+def test_a_one_time_job_dated_in_the_past_is_measured_from_its_acceptance(operator_api, user):
+    """A job dated 2020 accepted at PINNED_NOW (2030) and materialized 0.5 s later: its
+    run's discovery lag is 0.5 s, not ten years; the run keeps its scheduled_for."""
+    run_at = dt.datetime(2020, 1, 1, tzinfo=dt.UTC)
+    job = make_job(user, now=PINNED_NOW, schedule={"kind": "once", "run_at": run_at.isoformat()})
+    scheduler_pass(at(0.5))
+    run = Run.objects.get(job=job)
+    assert (run.scheduled_for, run.due_at) == (run_at, PINNED_NOW)
+    samples = scrape(operator_api.get("/metrics").content.decode())
+    count, total, _ = histogram(samples, "scheduler_discovery_lag_seconds")
+    assert (count, total) == (1, pytest.approx(0.5))
+
+
+def test_every_histogram_has_the_buckets_the_migration_counts_in(operator_api):
+    migration = importlib.import_module("jobs.migrations.0008_tally")
+    assert migration.BUCKETS == BUCKETS
+    samples = scrape(operator_api.get("/metrics").content.decode())
+    for name in STAGES:
+        count, total, buckets = histogram(samples, name)
+        assert (count, total) == (0, 0)
+        assert list(buckets) == [repr(b) for b in BUCKETS] + ["+Inf"]
+
+
+def test_on_sqlite_the_same_workload_is_counted_after_every_migration(tmp_path):
+    """Embedded defaults: SQLite's triggers (recreated after a migration remade a table)
+    count the stages and the attempts as PostgreSQL's do."""
+    probe = """
+import datetime as dt, json, django
+django.setup()
+from django.core.management import call_command
+call_command("migrate", verbosity=0)
+from django.contrib.auth import get_user_model
+from prometheus_client import generate_latest
+from prometheus_client.core import CollectorRegistry
+from jobs.metrics import DatabaseCollector
+from jobs.transitions import attempt_fail, attempt_succeed, run_claim
+from tests import factories
+at = lambda s: factories.PINNED_NOW + dt.timedelta(seconds=s)
+owner = get_user_model().objects.create_user("sqlite")
+for n, ok in enumerate((True, False)):
+    run = factories.queued_run(owner, materialize_at=at(0.25), args=[n])
+    attempt = run_claim(run_id=run.id, worker="w", now=at(1), lease_seconds=60,
+                        published_at=at(0.5))
+    if ok:
+        attempt_succeed(attempt=attempt, now=at(3))
+    else:
+        attempt_fail(attempt=attempt, now=at(3), error="x", retry_at=None)
+registry = CollectorRegistry(auto_describe=False)
+registry.register(DatabaseCollector())
+print(generate_latest(registry).decode())
+"""
+    done = subprocess.run(
+        [sys.executable, "-c", probe],
+        cwd=Path(__file__).resolve().parents[2],
+        env={
+            **os.environ,
+            "DJANGO_SETTINGS_MODULE": "scheduler_project.settings.base",
+            "DATABASE_URL": f"sqlite:///{tmp_path / 'db.sqlite3'}",
+            "CELERY_BROKER_URL": "memory://",
+            "SCHEDULER_VAR_DIR": str(tmp_path / "var"),
+            "SCHEDULER_TASK_MODULES": "tests.sample_tasks",
+        },
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    samples = scrape(done.stdout)
+    assert histogram(samples, "scheduler_discovery_lag_seconds")[:2] == (
+        2,
+        pytest.approx(0.5, abs=1e-3),
+    )
+    assert histogram(samples, "scheduler_publish_lag_seconds")[:2] == (
+        2,
+        pytest.approx(0.5, abs=1e-3),
+    )
+    assert histogram(samples, "scheduler_queue_wait_seconds")[:2] == (
+        2,
+        pytest.approx(1.0, abs=1e-3),
+    )
+    assert histogram(samples, "scheduler_run_duration_seconds")[:2] == (
+        2,
+        pytest.approx(4.0, abs=1e-3),
+    )
+    assert samples[("scheduler_attempts_total", (("outcome", "succeeded"),))] == 1
+    assert samples[("scheduler_attempts_total", (("outcome", "failed"),))] == 1
+
+
+def test_a_job_dated_in_the_past_is_overdue_from_its_acceptance(operator_api, user):
+    """Accepted 30 s ago with a run_at of 2020 and not materialized yet (no scheduler ran):
+    overdue by 30 s, not by years."""
+    accepted = dt.datetime.now(dt.UTC) - dt.timedelta(seconds=30)
+    make_job(user, now=accepted, schedule={"kind": "once", "run_at": "2020-01-01T00:00:00Z"})
+    samples = scrape(operator_api.get("/metrics").content.decode())
+    assert 30 <= samples[("scheduler_oldest_overdue_seconds", ())] < 60
+
+
+def test_a_delivery_is_measured_without_a_statement_of_its_own(operator_api, queued_run):
+    """The worker's hot path sends what it sent before the histograms (the claim, the
+    success with its log manifest); the database's triggers count the run as it commits."""
+    from django.db import connection
+    from django.test.utils import CaptureQueriesContext
+
+    from dispatch.runtime import run_execute_delivery
+
+    run = queued_run()
+    with CaptureQueriesContext(connection) as statements:
+        outcome = run_execute_delivery(
+            run_id=str(run.id), handler=lambda ctx: None, worker="w", message_id="m",
+            published_at=at(0.1).isoformat(),
+        )  # fmt: skip
+    assert outcome["outcome"] == "succeeded"
+    sent = [q["sql"] for q in statements.captured_queries if "SAVEPOINT" not in q["sql"]]
+    # The claim (one statement), the attempt's and run's success, the log manifest.
+    assert len(sent) == 3 and not [sql for sql in sent if "jobs_tally" in sql]
+    samples = scrape(operator_api.get("/metrics").content.decode())
+    assert histogram(samples, "scheduler_queue_wait_seconds")[0] == 1
+    assert histogram(samples, "scheduler_run_duration_seconds")[0] == 1
+    assert samples[("scheduler_attempts_total", (("outcome", "succeeded"),))] == 1

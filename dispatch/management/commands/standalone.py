@@ -68,6 +68,8 @@ class Command(BaseCommand):
         )
 
     def handle(self, *args, host, port, worker_concurrency, web_workers, **options):
+        self.stdout.write("Migrating the database ...")
+        self.stdout.flush()
         call_command("migrate", interactive=False, verbosity=0)
         username, password, api_username, token = self._first_users()
         base = f"http://{host}:{port}"
@@ -81,8 +83,10 @@ class Command(BaseCommand):
                         else "the configured database and broker"
                     ),
                     f"  API:       {base}/api/v1/jobs/",
-                    f"  Schema:    {base}/api/schema/",
+                    f"  API docs:  {base}/api/docs/  (schema: {base}/api/schema/)",
                     f"  Admin:     {base}/admin/",
+                    f"  Dashboard: {base}/dashboard/",
+                    f"  Metrics:   {base}/metrics  (health: {base}/healthz, {base}/readyz)",
                     f"  Admin user: {username}" + (f"  password: {password}" if password else ""),
                     f"  API user:  {api_username} (no superuser: sees its own jobs)",
                     f"  API token: {token}",

@@ -1,0 +1,32 @@
+"""bin/check-services, which bin/test runs first: it passes when PostgreSQL and RabbitMQ
+answer, and names what is missing otherwise. Only URLs of other hosts are given here, so
+it never tries to start a service of this machine."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parents[2] / "bin" / "check-services"
+
+
+def check(**env: str) -> subprocess.CompletedProcess:
+    base = {k: v for k, v in os.environ.items() if k not in ("DATABASE_URL", "CELERY_BROKER_URL")}
+    return subprocess.run(
+        [sys.executable, str(SCRIPT)], env={**base, **env}, capture_output=True, text=True,
+        timeout=60,
+    )  # fmt: skip
+
+
+def test_both_services_answer():
+    done = check()
+    assert (done.returncode, done.stderr) == (0, "")
+
+
+def test_a_service_that_does_not_answer_is_named_with_what_to_do():
+    # 192.0.2.1 (TEST-NET-1) never answers: not this machine's, so nothing is started.
+    done = check(DATABASE_URL="postgres://postgres@192.0.2.1:5432/test")
+    assert done.returncode == 2
+    assert "postgresql does not answer on 192.0.2.1:5432." in done.stderr
+    assert "It is not on this machine" in done.stderr
+    assert "rabbitmq" not in done.stderr
