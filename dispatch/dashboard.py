@@ -230,8 +230,8 @@ def _operator_page(template: str):
     def view(request: HttpRequest) -> HttpResponse:
         if not request.user.is_authenticated:
             return redirect_to_login(request.get_full_path(), settings.LOGIN_URL)
-        if not user_is_operator(request.user):
-            return HttpResponseForbidden("The dashboard is for operators (the operators group).")
+        if not (request.user.is_staff or user_is_operator(request.user)):
+            return HttpResponseForbidden("The dashboard is for operators and staff.")
         return render(request, template, dashboard_figures(user=request.user))
 
     return view

@@ -22,7 +22,7 @@ from .models import Job
 from .redaction import redact_value, unmask
 from .refusals import refusal
 from .registry import registered_task_names
-from .services import job_create, job_is_editable, job_update
+from .services import JobQuotaExceeded, job_create, job_is_editable, job_quota_check, job_update
 from .validation import job_patched_spec, job_spec_check
 
 EXAMPLE_BODY = {
@@ -96,6 +96,7 @@ class JobBodyForm(forms.ModelForm):
         try:
             if job._state.adding:
                 self.spec, _ = job_spec_check(data["body"], now=db_now())
+                job_quota_check(owner=self.owner, adding=1)  # as the API answers 429
                 return data
             if not job_is_editable(job=job):
                 raise forms.ValidationError(refusal("job.change", state=job.state))
@@ -105,6 +106,8 @@ class JobBodyForm(forms.ModelForm):
         except serializers.ValidationError as exc:
             for line in validation_messages(exc.detail):
                 self.add_error("body", line)
+        except JobQuotaExceeded as exc:
+            self.add_error("body", str(exc))
         return data
 
 
@@ -119,6 +122,11 @@ class JobEditing:
     """ModelAdmin methods that write a job through the services, not through `save()`."""
 
     form = JobBodyForm
+
+    def get_form(self, request, obj=None, **kwargs):
+        form = super().get_form(request, obj, **kwargs)  # a new class for each request
+        form.owner = request.user  # a job added here is its author's
+        return form
 
     def save_model(self, request, obj, form, change):
         now = db_now()

@@ -12,7 +12,7 @@ from django.urls import reverse
 
 from . import schedules
 from .models import Attempt, Job, Run
-from .redaction import redact, redact_value
+from .redaction import redact, redact_change, redact_value
 from .selectors import job_history, run_history
 from .services import job_is_editable
 
@@ -109,9 +109,8 @@ def job_page(*, job: Job, now: dt.datetime) -> dict:
     history = job_history(job=job)
     for version in history["versions"]:
         for change in version["changes"]:
-            # A change is shown under its field's name: a secret-looking field is masked whole.
-            shown = redact_value({change["field"]: [change["from"], change["to"]]})
-            change["from_text"], change["to_text"] = (_json(v) for v in shown[change["field"]])
+            shown = redact_change(change)
+            change["from_text"], change["to_text"] = _json(shown["from"]), _json(shown["to"])
     for event in history["events"]:
         event.data_text = _json(event.data) if event.data else ""
     return {

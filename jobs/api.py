@@ -30,7 +30,8 @@ from .idempotency import (
     idempotent_answer,
     request_hash,
 )
-from .models import JobState, RunKind, RunState
+from .models import Job, JobState, RunKind, RunState
+from .redaction import redact_change, redact_value
 from .refusals import refusal, schedule_refusal
 from .selectors import job_get, job_history, job_list, run_get, run_history, run_list
 from .services import (
@@ -128,7 +129,15 @@ class JobOutput(JobSpecSerializer):
         server = getattr(self, "_server_fields", None)
         if server is None:
             server = self._server_fields = JobServerFields()
-        return {**job.spec, **server.to_representation(job)}
+        return {**_spec_shown(job, self.context.get("viewer")), **server.to_representation(job)}
+
+
+def _spec_shown(job: Job, viewer) -> dict:
+    """The spec as given to its owner (their own data); secrets masked for anyone else,
+    operators included (SPEC, "Security"). No viewer: the job's creator, answered."""
+    if viewer is None or viewer.pk == job.owner_id:
+        return job.spec
+    return redact_value(job.spec)
 
 
 class AttemptOutput(serializers.Serializer):
@@ -230,7 +239,8 @@ def _page(request, view, queryset, output, filters: dict):
     view.order = filters.get("ordering")
     paginator = view.pagination_class()
     page = paginator.paginate_queryset(queryset, request, view=view)
-    return paginator.get_paginated_response(output(page, many=True).data)
+    data = output(page, many=True, context={"viewer": request.user}).data
+    return paginator.get_paginated_response(data)
 
 
 def _idempotency_key(request) -> str | None:
@@ -502,7 +512,7 @@ class JobDetailApi(APIView):
     @extend_schema(responses=JobOutput)
     def get(self, request, job_id):
         job = _visible_job(request, job_id)
-        return _with_etag(Response(JobOutput(job).data), job)
+        return _with_etag(Response(JobOutput(job, context={"viewer": request.user}).data), job)
 
     @extend_schema(
         request=JobSpecSerializer(partial=True),
@@ -526,7 +536,7 @@ class JobDetailApi(APIView):
                 return _conflict(refusal("job.change", state=job.state), state=job.state)
             return _stale(job)
         job = _visible_job(request, job_id)
-        return _with_etag(Response(JobOutput(job).data), job)
+        return _with_etag(Response(JobOutput(job, context={"viewer": request.user}).data), job)
 
     @extend_schema(request=None, responses={204: None})
     def delete(self, request, job_id):
@@ -606,7 +616,8 @@ class JobPauseApi(APIView):
         if not job_pause(job=job, actor=request.user, now=db_now()):
             job.refresh_from_db()
             return _conflict(refusal("job.pause", state=job.state), state=job.state)
-        return Response(JobOutput(_visible_job(request, job_id)).data)
+        job = _visible_job(request, job_id)
+        return Response(JobOutput(job, context={"viewer": request.user}).data)
 
 
 class JobResumeApi(APIView):
@@ -620,7 +631,8 @@ class JobResumeApi(APIView):
         if not resumed:
             job.refresh_from_db()
             return _conflict(refusal("job.resume", state=job.state), state=job.state)
-        return Response(JobOutput(_visible_job(request, job_id)).data)
+        job = _visible_job(request, job_id)
+        return Response(JobOutput(job, context={"viewer": request.user}).data)
 
 
 class JobTriggerApi(APIView):
@@ -725,7 +737,14 @@ class JobHistoryApi(APIView):
     @extend_schema(responses=HistoryOutput)
     def get(self, request, job_id):
         job = _visible_job(request, job_id)
-        return Response(HistoryOutput(job_history(job=job)).data)
+        history = job_history(job=job)
+        if request.user.pk != job.owner_id:  # an operator's read: secrets masked
+            for version in history["versions"]:
+                version["spec"] = redact_value(version["spec"])
+                version["changes"] = [redact_change(change) for change in version["changes"]]
+            for event in history["events"]:
+                event.data = redact_value(event.data)
+        return Response(HistoryOutput(history).data)
 
 
 class OccurrenceOutput(serializers.Serializer):
@@ -789,7 +808,8 @@ class JobCancelApi(APIView):
         if not job_cancel(job=job, actor=request.user, now=db_now()):
             job.refresh_from_db()
             return _conflict(refusal("job.cancel", state=job.state), state=job.state)
-        return Response(JobOutput(job_get(user=request.user, job_id=job_id)).data)
+        job = job_get(user=request.user, job_id=job_id)
+        return Response(JobOutput(job, context={"viewer": request.user}).data)
 
 
 def _run_action(request, run_id, action, refused: str) -> Response:

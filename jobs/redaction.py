@@ -9,7 +9,9 @@ owner's own args and kwargs as given: they are the owner's data, this is for eve
 
 from __future__ import annotations
 
+import logging
 import re
+import traceback
 
 MASK = "[REDACTED]"
 
@@ -66,6 +68,8 @@ def _value_span(text: str, start: int, *, bare_space: bool) -> tuple[int | None,
     to redact there."""
     if start >= len(text):
         return None, ""
+    if text.startswith(MASK, start):
+        return None, ""  # redacted already: redacting is idempotent
     opener = text[start]
     if bare_space and (opener in _CLOSERS or opener in "\"'"):
         return None, ""  # `the token (for bob)`: prose, not an assignment
@@ -147,8 +151,40 @@ def unmask(value, stored):
     unless it is replaced, as a password field keeps it)."""
     if value == MASK and stored is not None:
         return stored
+    if isinstance(value, str) and isinstance(stored, str) and value == redact(stored):
+        return stored  # a string shown partly masked (a URL's password), left as it was
     if isinstance(value, dict) and isinstance(stored, dict):
         return {key: unmask(item, stored.get(key)) for key, item in value.items()}
     if isinstance(value, list) and isinstance(stored, list | tuple) and len(value) == len(stored):
         return [unmask(item, old) for item, old in zip(value, stored, strict=True)]
     return value
+
+
+def redact_change(change: dict) -> dict:
+    """A spec diff's entry `{field, from, to}` (`field` a dotted path) as shown to anyone
+    but the owner: masked whole under a secret-looking field, its values redacted else."""
+    shown = redact_value({change["field"]: [change["from"], change["to"]]})[change["field"]]
+    if shown == MASK:
+        return {**change, "from": MASK, "to": MASK}
+    return {**change, "from": shown[0], "to": shown[1]}
+
+
+class RedactingFilter(logging.Filter):
+    """On a logging handler: the record's message (and traceback) redacted before any
+    handler after it formats the record, so a handler's `ctx.logger` line or an error's
+    arguments reach a process's own log, or Sentry, with their secrets masked."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        try:
+            message = record.getMessage()
+        except Exception:  # noqa: BLE001 - a bad format string is logging's to report
+            return True
+        record.msg, record.args = redact(message), None
+        if record.exc_info and not record.exc_text:
+            record.exc_text = redact("".join(traceback.format_exception(*record.exc_info)).rstrip())
+        return True
+
+
+def redact_event(event, hint=None):
+    """Sentry's before_send and before_breadcrumb: the event with every secret masked."""
+    return redact_value(event)

@@ -20,6 +20,7 @@ import time
 from django.contrib import admin
 from django.db import connection
 from django.http import HttpResponse
+from rest_framework import serializers
 from rest_framework.throttling import ScopedRateThrottle, SimpleRateThrottle, UserRateThrottle
 
 from .models import ThrottleWindow
@@ -76,7 +77,13 @@ class LogFollowThrottle(SharedWindowThrottle):
     scope = "logs_follow"
 
     def get_cache_key(self, request, view):
-        if request.query_params.get("follow", "").lower() not in ("true", "1", "yes", "on"):
+        try:  # as the logs view parses it (DRF's BooleanField: `t`, `y` and `on` too)
+            follows = serializers.BooleanField().to_internal_value(
+                request.query_params.get("follow", "false")
+            )
+        except serializers.ValidationError:
+            return None  # the view answers 400
+        if not follows:
             return None
         return self.cache_format % {"scope": self.scope, "ident": _ident(self, request)}
 

@@ -31,6 +31,7 @@ from django.conf import settings
 from django.db import connection
 
 from jobs.models import Attempt
+from jobs.redaction import RedactingFilter
 
 from .store import Chunk, chunk_ship, clean_line, encode_line
 
@@ -293,6 +294,10 @@ def _install() -> None:
         # Celery's task loggers do not propagate to the root: they get the handler too.
         for name in ("", "celery.task"):
             target = logging.getLogger(name)
+            # The worker's own handlers (Celery's) see a handler's records too: redacted.
+            for handler in target.handlers:
+                if not any(isinstance(f, RedactingFilter) for f in handler.filters):
+                    handler.addFilter(RedactingFilter())
             if not any(isinstance(h, _CaptureHandler) for h in target.handlers):
                 target.addHandler(_CaptureHandler())
         # ctx.logger's records reach the root's handlers whatever the root's level.

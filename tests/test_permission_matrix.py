@@ -32,7 +32,8 @@ class Row:
     # "authenticated" (anyone with credentials; lists show only what the user may see),
     # "operator" (operators and superusers; others 403), "probe" (anyone), "admin" (the
     # admin's door: staff and superusers), "redirect" (anyone: an old address), "dashboard"
-    # (a signed-in session of an operator or a superuser; anonymous: to the login page).
+    # (a signed-in session of staff, an operator or a superuser (SPEC); anonymous: to the
+    # login page; its lists of jobs and runs follow the API's visibility).
     access: str
 
 
@@ -100,7 +101,9 @@ def expected(row: Row, principal: str, whose: str) -> str | int:
     if row.access == "admin":
         return OK if principal in (STAFF, SUPERUSER) else 302
     if row.access == "dashboard":
-        return 302 if principal == ANONYMOUS else OK if principal in (OPERATOR, SUPERUSER) else 403
+        if principal == ANONYMOUS:
+            return 302
+        return OK if principal in (STAFF, OPERATOR, SUPERUSER) else 403
     if principal == ANONYMOUS:
         return 401
     if row.access == "authenticated":

@@ -226,8 +226,13 @@ LOGGING = {
             "rename_fields": {"asctime": "time", "levelname": "level", "name": "logger"},
         },
     },
+    "filters": {"redact": {"()": "jobs.redaction.RedactingFilter"}},
     "handlers": {
-        "console": {"class": "logging.StreamHandler", "formatter": env.SCHEDULER_LOG_FORMAT}
+        "console": {
+            "class": "logging.StreamHandler",
+            "formatter": env.SCHEDULER_LOG_FORMAT,
+            "filters": ["redact"],
+        }
     },
     "root": {"handlers": ["console"], "level": "INFO"},
 }

@@ -94,11 +94,18 @@ def init_sentry() -> None:
     from sentry_sdk.integrations.celery import CeleryIntegration
     from sentry_sdk.integrations.django import DjangoIntegration
 
+    from jobs.redaction import redact_event
+
     sentry_sdk.init(
         dsn=SENTRY_DSN,
         integrations=[DjangoIntegration(), CeleryIntegration()],
         environment=env.SENTRY_ENVIRONMENT or None,
         send_default_pii=False,
         include_local_variables=False,
+        # Secrets never leave: every event and breadcrumb through jobs.redaction, and no
+        # request bodies (a job body's kwargs may hold them at any depth).
+        before_send=redact_event,
+        before_breadcrumb=redact_event,
+        max_request_body_size="never",
         traces_sample_rate=env.SENTRY_TRACES_SAMPLE_RATE,
     )

@@ -83,22 +83,39 @@ def test_an_edit_is_a_new_version_with_its_diff_in_the_history(client, admin_sup
 def test_an_edit_shows_secrets_masked_and_keeps_them_when_left_as_shown(
     client, admin_superuser, make_job
 ):
-    job = make_job(kwargs={"password": "canary-7f3", "nested": {"api_key": "canary-9c1"}, "n": 1})
+    job = make_job(kwargs={"password": "canary-7f3", "nested": {"api_key": "canary-9c1"}, "n": 1,
+                           "db": "postgres://app:canary-4d2@db/x"})  # fmt: skip
     page = client.get(f"/admin/jobs/job/{job.id}/change/").content.decode()
-    assert "canary-7f3" not in page and "canary-9c1" not in page
+    assert "canary-7f3" not in page and "canary-9c1" not in page and "canary-4d2" not in page
     assert "[REDACTED]" in page
 
-    shown = {"password": "[REDACTED]", "nested": {"api_key": "[REDACTED]"}, "n": 2}
+    shown = {"password": "[REDACTED]", "nested": {"api_key": "[REDACTED]"}, "n": 2,
+             "db": "postgres://app:[REDACTED]@db/x"}  # fmt: skip
     assert edit(client, job, {"kwargs": shown}).status_code == 302
     job.refresh_from_db()
     assert job.spec["kwargs"] == {"password": "canary-7f3", "nested": {"api_key": "canary-9c1"},
-                                  "n": 2}  # fmt: skip
+                                  "n": 2, "db": "postgres://app:canary-4d2@db/x"}  # fmt: skip
+    # Changing only the name keeps every secret, partly masked strings included.
+    assert edit(client, job, {"name": "renamed"}).status_code == 302
+    job.refresh_from_db()
+    assert job.spec["kwargs"]["db"] == "postgres://app:canary-4d2@db/x"
     page = client.get(f"/admin/jobs/job/{job.id}/change/").content.decode()
     assert "canary-7f3" not in page  # nor in the version diff of the history
 
     assert edit(client, job, {"kwargs": {**shown, "password": "replaced"}}).status_code == 302
     job.refresh_from_db()
     assert job.spec["kwargs"]["password"] == "replaced"
+
+
+def test_adding_a_job_past_the_owners_quota_is_refused_on_the_form(
+    client, admin_superuser, make_job, settings
+):
+    settings.SCHEDULER_OWNER_MAX_JOBS = 1
+    make_job(owner=admin_superuser)
+    response = add(client, job_body(name="one too many"))
+    assert response.status_code == 400
+    assert b"SCHEDULER_OWNER_MAX_JOBS" in response.content
+    assert not Job.objects.filter(name="one too many").exists()
 
 
 def test_an_edit_of_a_version_that_moved_on_changes_nothing(client, admin_superuser, make_job):

@@ -53,6 +53,9 @@ def test_following_logs_has_its_own_rate_reading_them_does_not(queued_run, rates
     rates(logs_follow="1/day")
     assert api.get(url, {"follow": "true", "wait": 0}).status_code == 200
     assert api.get(url, {"follow": "true", "wait": 0}).status_code == 429
+    # Every spelling the view takes for true is a follow (DRF's BooleanField).
+    for spelling in ("t", "y", "on", "1", "True"):
+        assert api.get(url, {"follow": spelling, "wait": 0}).status_code == 429, spelling
     assert api.get(url).status_code == 200
 
 

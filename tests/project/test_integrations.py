@@ -154,3 +154,25 @@ def test_an_unknown_log_format_is_refused(tmp_path):
     done = run_python("import django; django.setup()", tmp_path, SCHEDULER_LOG_FORMAT="xml")
     assert done.returncode != 0
     assert "SCHEDULER_LOG_FORMAT must be plain or json, not 'xml'" in done.stderr
+
+
+def test_secrets_never_reach_sentry_or_the_processes_own_log(sentry, tmp_path):
+    probe = """
+import django, logging, sentry_sdk
+django.setup()
+logging.getLogger("jobs.task.demo").warning("connecting with password=%s", "canary-l1")
+try:
+    raise RuntimeError("refused: api_key=canary-e2 for postgres://app:canary-u3@db/x")
+except RuntimeError:
+    logging.getLogger("jobs.task.demo").exception("token: canary-x4")
+sentry_sdk.flush(timeout=10)
+"""
+    done = run_python(probe, tmp_path, SENTRY_DSN=sentry.dsn)
+    assert done.returncode == 0, done.stderr[-2000:]
+    wait_for(lambda: sentry.events, timeout=10, message="the event")
+    sent = json.dumps(sentry.events)
+    logged = done.stderr
+    assert "connecting with password=[REDACTED]" in logged
+    for canary in ("canary-l1", "canary-e2", "canary-u3", "canary-x4"):
+        assert canary not in sent, canary
+        assert canary not in logged, canary

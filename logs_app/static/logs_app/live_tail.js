@@ -18,7 +18,10 @@
       headers: { Accept: "application/json" },
     });
     if (!response.ok) {
-      throw new Error("HTTP " + response.status);
+      const error = new Error("HTTP " + response.status);
+      // Refused for good (not this user's to read through the API, or gone): no retry.
+      error.final = [401, 403, 404].includes(response.status);
+      throw error;
     }
     return response.json();
   }
@@ -77,6 +80,12 @@
             view.dataset.logsUrl + "&after=" + after + "&follow=true&wait=" + WAIT_SECONDS
           );
         } catch (error) {
+          if (error.final) {
+            status.textContent = "No live tail (" + error.message + "): the logs API does not " +
+              "show this run to you; reload the page for the lines stored since.";
+            view.dataset.follow = "refused";
+            return;
+          }
           status.textContent = "Live tail interrupted (" + error.message + "); trying again.";
           await sleep(RETRY_MS);
           continue;
