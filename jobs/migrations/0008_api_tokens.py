@@ -9,18 +9,25 @@ from django.db import migrations, models
 
 
 def hash_legacy_tokens(apps, schema_editor):
-    """DRF's authtoken keys, kept in clear in `authtoken_token`, become hashed tokens (no
-    expiry, as they had none), so that clients keep working; the clear keys are dropped."""
+    """DRF's authtoken keys, kept in clear in `authtoken_token`, become hashed tokens, so
+    that clients keep working; the clear keys are dropped. They expire as a new token would
+    (SCHEDULER_TOKEN_TTL_DAYS from now): a key that was stored in clear, or printed by an
+    earlier `standalone`, is not valid for ever."""
+    import datetime as dt
+
     connection = schema_editor.connection
     if "authtoken_token" not in connection.introspection.table_names():
         return
+    ttl = settings.SCHEDULER_TOKEN_TTL_DAYS
+    expires = django.utils.timezone.now() + dt.timedelta(days=ttl) if ttl else None
     ApiToken = apps.get_model("jobs", "ApiToken")
     with connection.cursor() as cursor:
         cursor.execute("SELECT key, user_id, created FROM authtoken_token")
         rows = cursor.fetchall()
     ApiToken.objects.bulk_create(
         ApiToken(owner_id=user_id, name="drf authtoken", prefix=key[:8],
-                 digest=hashlib.sha256(key.encode()).hexdigest(), created_at=created)
+                 digest=hashlib.sha256(key.encode()).hexdigest(), created_at=created,
+                 expires_at=expires)
         for key, user_id, created in rows
     )  # fmt: skip
     schema_editor.execute("DROP TABLE authtoken_token")

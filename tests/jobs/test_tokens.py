@@ -121,6 +121,14 @@ def test_clear_drf_authtoken_keys_become_hashed_tokens(user):
         migration.hash_legacy_tokens(apps, editor)
     assert "authtoken_token" not in connection.introspection.table_names()
     assert _client("a" * 40).get(JOBS).status_code == 200
+    # It expires as a new token would, not never.
+    from django.conf import settings
+
+    from jobs.models import ApiToken
+
+    token = ApiToken.objects.get(name="drf authtoken")
+    left = token.expires_at - token.created_at
+    assert abs(left.days - settings.SCHEDULER_TOKEN_TTL_DAYS) <= 1
 
 
 @pytest.mark.django_db
