@@ -12,7 +12,7 @@ from django.urls import reverse
 
 from . import schedules
 from .models import Attempt, Job, Run
-from .redaction import redact, redact_change, redact_value
+from .redaction import redact, redact_value
 from .selectors import job_history, run_history
 from .services import job_is_editable
 
@@ -106,11 +106,10 @@ def job_page(*, job: Job, now: dt.datetime) -> dict:
             fires_problem = str(exc)
     for fire in fires:
         fire["dst_words"] = DST_FLAG_WORDS.get(fire["dst"], "")
-    history = job_history(job=job)
+    history = job_history(job=job, redacted=True)
     for version in history["versions"]:
         for change in version["changes"]:
-            shown = redact_change(change)
-            change["from_text"], change["to_text"] = _json(shown["from"]), _json(shown["to"])
+            change["from_text"], change["to_text"] = _json(change["from"]), _json(change["to"])
     for event in history["events"]:
         event.data_text = _json(event.data) if event.data else ""
     return {

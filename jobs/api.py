@@ -31,7 +31,7 @@ from .idempotency import (
     request_hash,
 )
 from .models import Job, JobState, RunKind, RunState
-from .redaction import redact_change, redact_value
+from .redaction import redact_value
 from .refusals import refusal, schedule_refusal
 from .selectors import job_get, job_history, job_list, run_get, run_history, run_list
 from .services import (
@@ -737,13 +737,8 @@ class JobHistoryApi(APIView):
     @extend_schema(responses=HistoryOutput)
     def get(self, request, job_id):
         job = _visible_job(request, job_id)
-        history = job_history(job=job)
-        if request.user.pk != job.owner_id:  # an operator's read: secrets masked
-            for version in history["versions"]:
-                version["spec"] = redact_value(version["spec"])
-                version["changes"] = [redact_change(change) for change in version["changes"]]
-            for event in history["events"]:
-                event.data = redact_value(event.data)
+        # An operator's read gets the secrets masked; the owner's, their own data.
+        history = job_history(job=job, redacted=request.user.pk != job.owner_id)
         return Response(HistoryOutput(history).data)
 
 

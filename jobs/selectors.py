@@ -9,6 +9,7 @@ from django.db.models import Prefetch, QuerySet
 from django.db.models.fields.json import KeyTextTransform
 
 from .models import Attempt, AuditEvent, Job, JobVersion, Run
+from .redaction import redact_change, redact_value
 from .roles import user_is_operator
 from .services import spec_diff
 
@@ -93,11 +94,15 @@ def _bounded_spec(spec: dict) -> dict:
     return {key: _bounded(value) for key, value in spec.items()}
 
 
-def job_history(*, job: Job) -> dict:
+def job_history(*, job: Job, redacted: bool = False) -> dict:
     """The job's newest versions with their field-level diff to the one before, and the
     newest audit events of the job and of its runs (run-only events such as a lost attempt
     included), each with its actor; newest first, bounded in count and in size (a large
-    value is truncated). `more_versions`/`more_events` say whether older ones exist."""
+    value is truncated). `more_versions`/`more_events` say whether older ones exist.
+    `redacted`: specs, diffs and audit data with their secrets masked (jobs.redaction), as
+    anyone but the job's owner sees them."""
+    shown = redact_value if redacted else (lambda value: value)
+    shown_change = redact_change if redacted else (lambda change: change)
     versions = list(
         JobVersion.objects.filter(job=job)
         .select_related("created_by")
@@ -111,10 +116,10 @@ def job_history(*, job: Job) -> dict:
                 "version": newer.version,
                 "created_at": newer.created_at,
                 "created_by": newer.created_by.get_username() if newer.created_by else None,
-                "spec": _bounded_spec(newer.spec),
+                "spec": _bounded_spec(shown(newer.spec)),
                 "changes": [
                     {**change, "from": _bounded(change["from"]), "to": _bounded(change["to"])}
-                    for change in changes
+                    for change in map(shown_change, changes)
                 ],
             }
         )
@@ -125,7 +130,8 @@ def job_history(*, job: Job) -> dict:
     by_id = {event.id: event for event in [*of_job, *of_runs[: HISTORY_EVENTS_LIMIT + 1]]}
     events = sorted(by_id.values(), key=lambda e: (e.created_at, e.id), reverse=True)
     for event in events:
-        event.data = _bounded_spec(event.data) if isinstance(event.data, dict) else event.data
+        data = shown(event.data)
+        event.data = _bounded_spec(data) if isinstance(data, dict) else data
     return {
         "versions": entries[:HISTORY_VERSIONS_LIMIT],
         "more_versions": len(entries) > HISTORY_VERSIONS_LIMIT,
