@@ -113,8 +113,7 @@ def rows(name: str, r: dict) -> list[tuple[str, str, str, str, str]]:
             ("sustained throughput", fmt(r["throughput"], "/s"), fmt(b["throughput"], "/s"),
              fmt(r["throughput_ratio"], "x"), ">= 0.9x"),
         ]  # fmt: skip
-        for stage, s in r["stages"].items():
-            out.append((f"  {stage} p50 / p99", f"{fmt(s['p50'])} / {fmt(s['p99'])}", "", "", ""))
+        out += _stage_rows(r["stages"])
         out.append(_integrity_row("W1", r))
         return out
     if name == "w2":
@@ -124,9 +123,7 @@ def rows(name: str, r: dict) -> list[tuple[str, str, str, str, str]]:
             out.append((f"W2 {at} p99 lateness (missed, doubled)",
                         f"{fmt(b['lateness']['p99'], 's')} ({b['missed']}, {b['doubled']})",
                         "", "", "<0.5s @1000, <1s @5000"))  # fmt: skip
-            for stage, st in b.get("stages", {}).items():
-                out.append((f"  {stage} p50 / p99", f"{fmt(st['p50'])} / {fmt(st['p99'])}",
-                            "", "", ""))  # fmt: skip
+            out += _stage_rows(b.get("stages", {}))
         out.append(("W2 missed / doubled", f"{r['missed']} / {r['doubled']}", "", "", "0 / 0"))
         return out
     if name == "w3":
@@ -149,8 +146,7 @@ def rows(name: str, r: dict) -> list[tuple[str, str, str, str, str]]:
             (f"precision p50 / p99 ({r['trials']} trials)",
              f"{fmt(s['p50'], 's')} / {fmt(s['p99'], 's')}", "", "", "p99 <= 0.050s"),
         ]  # fmt: skip
-        for stage, s in r["stages"].items():
-            out.append((f"  {stage} p50 / p99", f"{fmt(s['p50'])} / {fmt(s['p99'])}", "", "", ""))
+        out += _stage_rows(r["stages"])
         out.append(_integrity_row("precision", r))
         return out
     if name == "bare":
@@ -165,6 +161,14 @@ def rows(name: str, r: dict) -> list[tuple[str, str, str, str, str]]:
             )
         ]
     return []
+
+
+def _stage_rows(stages: dict) -> list[tuple]:
+    """A row per stage of a run's path (due -> created -> published -> started -> finished)."""
+    return [
+        (f"  {stage} p50 / p99", f"{fmt(s['p50'])} / {fmt(s['p99'])}", "", "", "")
+        for stage, s in stages.items()
+    ]
 
 
 def _integrity_row(label: str, r: dict) -> tuple[str, str, str, str, str]:
