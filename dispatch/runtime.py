@@ -586,13 +586,9 @@ def _succeeded(items: list[_Success], *, retry: bool = True) -> dict[int, str]:
 
 
 def _record_success(*, attempt: Attempt, result, logs: dict, lease: Lease) -> str:
-    """One run's success, recorded at once (`_succeeded`)."""
-    try:
-        outcomes = _succeeded([_Success(attempt, result, logs, lease)])
-    except BaseException:
-        LEASE_KEEPER.release(lease)
-        raise
-    return outcomes[attempt.id]
+    """One run's success, recorded at once (`_succeeded`; if it raises, the caller,
+    `run_execute_delivery`, releases the lease)."""
+    return _succeeded([_Success(attempt, result, logs, lease)])[attempt.id]
 
 
 class Successes:
