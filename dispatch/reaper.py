@@ -19,7 +19,7 @@ from django.db import OperationalError, connection, transaction
 from django.db.models import Q
 
 from jobs.models import Attempt, AttemptState
-from jobs.services import attempt_record_failure
+from jobs.services import attempt_record_failure, attempt_release_unstarted
 from jobs.transitions import attempt_abandon
 
 from .config import config_require
@@ -55,6 +55,7 @@ class ReaperResult:
     lost: int
     timed_out: int
     batch_full: bool
+    released: int = 0  # reserved attempts of a lost pack that never started
 
 
 def _bounded_lock_wait(seconds: float) -> None:
@@ -91,7 +92,17 @@ def reaper_run_once(*, now: dt.datetime, config: ReaperConfig) -> ReaperResult:
         .filter(expired)
         .order_by("lease_expires_at")[: config.batch_size]
     )
+    released: set[int] = set()
     for attempt in attempts:
+        if attempt.id in released:
+            continue
+        if attempt.started_at is None:
+            # Reserved with its pack: only the first of the pack's expired ones may have
+            # been running when its worker was lost; the others never started.
+            unstarted = _pack_mates_unstarted(attempt, now=now)
+            released |= _release(unstarted, config=config)
+            if attempt.id in released:
+                continue
         # Past its deadline the attempt timed out, whether or not its worker still lives.
         ended = (
             AttemptState.TIMED_OUT
@@ -141,5 +152,54 @@ def reaper_run_once(*, now: dt.datetime, config: ReaperConfig) -> ReaperResult:
         else:
             lost += 1
     return ReaperResult(
-        lost=lost, timed_out=timed_out, batch_full=len(attempts) >= config.batch_size
+        lost=lost,
+        timed_out=timed_out,
+        batch_full=len(attempts) >= config.batch_size,
+        released=len(released),
     )
+
+
+def _pack_mates_unstarted(attempt: Attempt, *, now: dt.datetime) -> list[Attempt]:
+    """The reserved attempts of `attempt`'s pack (its claim) whose leases expired and that
+    follow the first of them: a pack runs its reserved attempts one at a time in the order
+    of their ids, so when its worker is lost only the first one not yet recorded can have
+    been running (or have succeeded unrecorded). A reserved attempt released earlier counts
+    as before them: the first of a pack is charged once, however many passes it takes."""
+    mates = list(
+        Attempt.objects.select_related("run__job_version")
+        .filter(
+            claim_id=attempt.claim_id,
+            started_at__isnull=True,
+            state=AttemptState.RUNNING,
+            lease_expires_at__lt=now,
+        )
+        .order_by("id")
+    )
+    if not mates:
+        return []
+    earlier_ended = Attempt.objects.filter(
+        claim_id=attempt.claim_id,
+        started_at__isnull=True,
+        state=AttemptState.LOST,
+        id__lt=mates[0].id,
+    ).exists()
+    return mates if earlier_ended else mates[1:]
+
+
+def _release(attempts: list[Attempt], *, config: ReaperConfig) -> set[int]:
+    released = set()
+    for attempt in attempts:
+        try:
+            with transaction.atomic():
+                _bounded_lock_wait(config.lock_timeout_seconds)
+                if attempt_release_unstarted(
+                    attempt=attempt, by="reaper",
+                    error="its pack's worker was lost before its turn; not started",
+                ):  # fmt: skip
+                    released.add(attempt.id)
+        except OperationalError:
+            log.warning("run %s is locked; its reserved attempt is retried next pass",
+                        attempt.run_id)  # fmt: skip
+    if released:
+        log.warning("released %d reserved attempts of a lost pack, not charged", len(released))
+    return released

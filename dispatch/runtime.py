@@ -28,8 +28,19 @@ from jobs.counters import counter_increment
 from jobs.effects import EffectRecord, effect_once
 from jobs.models import Attempt, AttemptState, Run, RunState
 from jobs.redaction import redact, redact_value
-from jobs.services import attempt_record_failure, run_record_duplicate_delivery
-from jobs.transitions import attempts_renew_leases, attempts_succeed, run_claim
+from jobs.services import (
+    attempt_record_failure,
+    attempt_release_unstarted,
+    run_record_duplicate_delivery,
+)
+from jobs.transitions import (
+    attempt_record_start,
+    attempts_renew_leases,
+    attempts_still_running,
+    attempts_succeed,
+    run_claim,
+    runs_reserve,
+)
 from logs_app.capture import LogCapture
 from logs_app.store import logs_discard, logs_prepare, logs_seal, logs_seal_many
 
@@ -369,6 +380,7 @@ def _failure_writer(*, run: Run, attempt: Attempt, exc: BaseException, worker: s
     def write() -> str | None:
         with transaction.atomic():
             now = db_now()
+            attempt_record_start(attempt=attempt)
             outcome = attempt_record_failure(
                 attempt=attempt,
                 spec=run.job_version.spec,
@@ -662,28 +674,56 @@ def run_execute_deliveries(
     published_at: str | None = None,
     time_limit: float | None = None,
 ) -> dict:
-    """The runs of one message, in order (the relay packs short runs of one task): each is
-    claimed only when its turn comes, so each has its own attempt, lease, token, deadline
-    and time limit, and a run not reached yet is still `queued` (a cancel refuses it, a
-    crash leaves it to be published again); their successes are recorded together
-    (`Successes`). Outcome `claim_failed` carries the runs still to deliver (`remaining`);
-    anything else that stops the pack raises PackInterrupted (from its cause) with them."""
+    """The runs of one message (the relay packs short runs of one task), one after another,
+    each with its own attempt, lease, token and time limit.
+
+    The first attempts of `at_least_once` runs are reserved together, in one statement
+    (`runs_reserve`): `running`, with a lease the process's keeper renews, but not started
+    until their turn. Before its turn a reserved run is looked at again (`Pack`): one that
+    was cancelled, or taken by the reaper, meanwhile is not started. Every other run (a
+    retry, a replay, `at_most_once`, a duplicate delivery) is claimed when its turn comes
+    (`run_execute_delivery`). Successes are recorded together (`Successes`); a reserved
+    run's start is recorded with its outcome.
+
+    Reserved runs go first, in the order of their attempts, then the others. Outcome
+    `claim_failed` carries the unreserved runs still to deliver (`remaining`); anything else
+    that stops the pack releases the reserved runs not reached (`attempt_release`: back to
+    their queue through the outbox, their attempt not charged) and raises PackInterrupted
+    (from its cause) with the unreserved runs not reached."""
+    try:
+        reserved = _reserve(
+            run_ids=run_ids, worker=worker, published_at=_published_at(published_at),
+            task_id=message_id,
+        )  # fmt: skip
+    except (OperationalError, InterfaceError):
+        log.error("could not claim the %d runs of a pack: the database is away", len(run_ids))
+        return {"outcome": "claim_failed", "remaining": list(run_ids), "runs": []}
+    pack = Pack(reserved)
+    order = [str(attempt.run_id) for attempt in reserved]
+    order += [run_id for run_id in run_ids if run_id not in pack.by_run]
     successes = Successes()
     summaries: list[dict] = []
     try:
-        for index, run_id in enumerate(run_ids):
+        for index, run_id in enumerate(order):
             try:
-                summary = run_execute_delivery(
-                    run_id=run_id, handler=handler, worker=worker, message_id=message_id,
-                    published_at=published_at, time_limit=time_limit, successes=successes,
-                )  # fmt: skip
+                if run_id in pack.by_run:
+                    summary = pack.run(run_id, handler=handler, worker=worker,
+                                       time_limit=time_limit, successes=successes)  # fmt: skip
+                else:
+                    summary = run_execute_delivery(
+                        run_id=run_id, handler=handler, worker=worker, message_id=message_id,
+                        published_at=published_at, time_limit=time_limit, successes=successes,
+                    )  # fmt: skip
             except BaseException as exc:  # noqa: BLE001 - the rest of the pack must not be lost
                 # This run's own attempt, if claimed, is recorded or left to its lease.
-                if index + 1 == len(run_ids):
+                pack.release(order[index + 1 :])
+                remaining = [other for other in order[index + 1 :] if other not in pack.by_run]
+                if not remaining:
                     raise
-                raise PackInterrupted(run_ids[index + 1 :]) from exc
+                raise PackInterrupted(remaining) from exc
             if summary["outcome"] == "claim_failed":
-                remaining = run_ids[index:]
+                pack.release(order[index:])
+                remaining = [other for other in order[index:] if other not in pack.by_run]
                 return {"outcome": "claim_failed", "remaining": remaining, "runs": summaries}
             summaries.append(summary)
     finally:
@@ -694,7 +734,122 @@ def run_execute_deliveries(
     for summary in summaries:
         if summary["outcome"] == "recording":
             summary["outcome"] = successes.outcomes[summary.pop("attempt_id")]
+    position = {run_id: index for index, run_id in enumerate(run_ids)}
+    summaries.sort(key=lambda summary: position.get(summary["run_id"], 0))  # as delivered
     return {"outcome": "done", "runs": summaries}
+
+
+def _reserve(
+    *, run_ids: list[str], worker: str, published_at: dt.datetime | None, task_id: str
+) -> list[Attempt]:
+    """`runs_reserve`, retrying through a database outage for a bounded time; a retry
+    after an ambiguous commit adopts the attempts the first try may have made."""
+    claim_id = uuid.uuid4()
+    tries = []
+
+    def reserve() -> list[Attempt]:
+        tries.append(1)
+        if len(tries) > 1:
+            mine = _adopt_reserved(claim_id)
+            if mine:
+                return mine
+        return runs_reserve(run_ids=run_ids, worker=worker, claim_id=claim_id,
+                            published_at=published_at, task_id=task_id)  # fmt: skip
+
+    return _with_database_retries(reserve)
+
+
+def _adopt_reserved(claim_id: uuid.UUID) -> list[Attempt]:
+    attempts = list(
+        Attempt.objects.select_related("run__job_version")
+        .filter(claim_id=claim_id, state=AttemptState.RUNNING, started_at__isnull=True)
+        .order_by("id")
+    )
+    for attempt in attempts:
+        attempt.reserved_at = attempt.heartbeat_at
+    return attempts
+
+
+# A reserved run is looked at again before it starts unless its pack looked this recently.
+RESERVED_CHECK_SECONDS = 0.02
+
+
+class Pack:
+    """A packed message's reserved attempts: each held by the process's lease keeper from
+    the reservation on, started at its turn unless it was ended meanwhile."""
+
+    def __init__(self, reserved: list[Attempt]) -> None:
+        self.by_run = {str(attempt.run_id): attempt for attempt in reserved}
+        self.leases = {
+            str(attempt.run_id): LEASE_KEEPER.hold(
+                attempt, attempt.run.job_version.spec["heartbeat_timeout_seconds"]
+            )
+            for attempt in reserved
+        }
+        self._reserved_at = time.monotonic()
+        self._checked_at = self._reserved_at
+        self._waiting = set(self.by_run)
+
+    def _started_at(self, attempt: Attempt) -> dt.datetime:
+        """Now, on the database's clock: its time at the reservation plus the time since."""
+        return attempt.reserved_at + dt.timedelta(seconds=time.monotonic() - self._reserved_at)
+
+    def _ended_meanwhile(self, attempt: Attempt, lease: Lease) -> bool:
+        if lease.lost.is_set():
+            return True
+        if time.monotonic() - self._checked_at < RESERVED_CHECK_SECONDS:
+            return False
+        waiting = [self.by_run[run_id].id for run_id in self._waiting]
+        running = _with_database_retries(lambda: attempts_still_running(attempt_ids=waiting))
+        self._checked_at = time.monotonic()
+        for run_id in list(self._waiting):
+            if self.by_run[run_id].id not in running:
+                self.leases[run_id].lost.set()
+        return lease.lost.is_set()
+
+    def run(
+        self,
+        run_id: str,
+        *,
+        handler: Callable,
+        worker: str,
+        time_limit: float | None,
+        successes: Successes,
+    ) -> dict:
+        attempt, lease = self.by_run[run_id], self.leases[run_id]
+        try:
+            ended_meanwhile = self._ended_meanwhile(attempt, lease)
+            self._waiting.discard(run_id)
+            if ended_meanwhile:
+                LEASE_KEEPER.release(lease)
+                state = Attempt.objects.filter(id=attempt.id).values_list("state", flat=True)
+                ended = state.first()
+                log.info("reserved run %s ended (%s) before its turn; not started", run_id, ended)
+                outcome = "cancelled" if ended == AttemptState.CANCELLED else "lost"
+                return {"run_id": run_id, "attempt": attempt.number, "outcome": outcome}
+            attempt.started_at = self._started_at(attempt)
+            return _execute(attempt, lease, handler=handler, worker=worker,
+                            time_limit=time_limit, successes=successes)  # fmt: skip
+        except BaseException:
+            LEASE_KEEPER.release(lease)
+            raise
+
+    def release(self, run_ids: list[str]) -> None:
+        """The reserved runs among `run_ids` never start here: their attempts end unstarted
+        and uncharged, their runs go back to their queue through the outbox. Through a
+        database outage their leases lapse instead, and the reaper releases them."""
+        for run_id in run_ids:
+            if run_id not in self.by_run:
+                continue
+            self._waiting.discard(run_id)
+            attempt, lease = self.by_run[run_id], self.leases[run_id]
+            LEASE_KEEPER.release(lease)
+            try:
+                attempt_release_unstarted(attempt=attempt, by=f"worker:{attempt.worker}",
+                                          error="its pack ended before its turn")  # fmt: skip
+            except DatabaseError:
+                log.warning("could not release reserved run %s; its lease will lapse", run_id)
+                connection.close()
 
 
 @contextlib.contextmanager

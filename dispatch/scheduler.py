@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
+import logging
 import time
 
 from django.db import DatabaseError
@@ -23,6 +24,7 @@ from django.db.models import Min
 
 from jobs.clock import db_now
 from jobs.models import Job, JobState, Run, RunState
+from jobs.notify import notified_instant
 
 from .completer import CompleterConfig, CompleterResult, completer_run_once
 from .config import config_require
@@ -30,6 +32,9 @@ from .materializer import MaterializerConfig, materializer_run_once
 from .promoter import PromoterConfig, promoter_run_once
 from .wakeup import Listener
 
+log = logging.getLogger("dispatch.scheduler")
+# A pass slower than this is logged with the time of each of its steps.
+SLOW_PASS_SECONDS = 1.0
 # How long a pass that left due work to another replica waits before it looks again.
 HELD_ELSEWHERE_SECONDS = 0.02
 
@@ -55,10 +60,13 @@ class SchedulerResult:
 
 
 def scheduler_run_once(*, now: dt.datetime, config: SchedulerConfig) -> SchedulerResult:
+    began = time.monotonic()
     materialized = materializer_run_once(
         now=now, config=MaterializerConfig(batch_size=config.batch_size)
     )
+    took = {"materializer": time.monotonic() - began}
     promoted = promoter_run_once(now=now, config=PromoterConfig(batch_size=config.batch_size))
+    took["promoter"] = time.monotonic() - began - took["materializer"]
     # Completion can wait for a backlog of due work: its query looks at every job whose
     # schedule is over, which a burst of one-time jobs makes thousands while their runs are
     # active, and no run starts sooner for it.
@@ -68,6 +76,13 @@ def scheduler_run_once(*, now: dt.datetime, config: SchedulerConfig) -> Schedule
         if backlog
         else completer_run_once(now=now, config=CompleterConfig(batch_size=config.batch_size))
     )
+    took["completer"] = time.monotonic() - began - took["materializer"] - took["promoter"]
+    if sum(took.values()) > SLOW_PASS_SECONDS:
+        log.warning(
+            "slow scheduler pass (%s): %d runs created",
+            ", ".join(f"{name} {seconds:.2f}s" for name, seconds in took.items()),
+            materialized.runs_created,
+        )
     return SchedulerResult(
         runs_created=materialized.runs_created,
         retries_queued=promoted.retries_queued,
@@ -122,6 +137,8 @@ class SchedulerWake:
         self.listener = listener
         self._pass_started_at: dt.datetime | None = None
         self._until: float | None = None  # time.monotonic() of the next due instant
+        # (the database's clock, time.monotonic()) read together at the latest look.
+        self._anchor: tuple[dt.datetime, float] | None = None
 
     def run_once(self, *, now: dt.datetime, config: SchedulerConfig) -> SchedulerResult:
         self._pass_started_at = now
@@ -132,6 +149,7 @@ class SchedulerWake:
         with the database's clock, before the queries that find the instant."""
         now = db_now()
         counted_from = time.monotonic()
+        self._anchor = (now, counted_from)
         seconds = scheduler_sleep_seconds(
             now=now, config=self.config, pass_started_at=pass_started_at
         )
@@ -154,8 +172,22 @@ class SchedulerWake:
         while (remaining := until - time.monotonic()) > 0:
             if not self.listener.wait(remaining) or self.listener.stop.is_set():
                 return
+            announced = self._announced(self.listener.payloads)
+            if announced is not None:
+                until = min(until, announced)  # no query: the notifications said when
+                continue
             try:
                 seconds, counted_from = self._next_wake()
             except DatabaseError:
                 return  # the next pass meets the outage and backs off
             until = min(until, counted_from + seconds)
+
+    def _announced(self, payloads: list[str]) -> float | None:
+        """The time.monotonic() of the earliest instant these notifications announce, on
+        the database's clock read at the latest look; None when one announces none (then
+        the wait looks again at when work is next due)."""
+        instants = [notified_instant(payload) for payload in payloads]
+        if not instants or None in instants or self._anchor is None:
+            return None
+        db_at, counted_from = self._anchor
+        return counted_from + (min(instants) - db_at).total_seconds()

@@ -24,6 +24,8 @@ class Listener:
         self._connection = None
         self._retry_at = 0.0
         self.enabled = connections["default"].vendor == "postgresql"
+        # The payloads of the notifications that ended the latest wait.
+        self.payloads: list[str] = []
 
     def _connect(self):
         wrapper = connections["default"]
@@ -46,6 +48,7 @@ class Listener:
         """Sleep up to `seconds`; True when a notification (or the stop signal) ended it.
         Notifications that arrived while the loop worked end the next wait at once."""
         deadline = time.monotonic() + seconds
+        self.payloads = []
         while not self.stop.is_set():
             remaining = deadline - time.monotonic()
             if remaining <= 0:
@@ -56,8 +59,8 @@ class Listener:
                 self.stop.wait(slice_)
                 continue
             try:
-                woken = any(True for _ in conn.notifies(timeout=slice_, stop_after=1))
-                if woken:
+                self.payloads = [n.payload for n in conn.notifies(timeout=slice_, stop_after=1)]
+                if self.payloads:
                     self._drain(conn)
                     return True
             except Exception:  # noqa: BLE001 - a broken LISTEN connection: reconnect later
@@ -68,8 +71,8 @@ class Listener:
 
     def _drain(self, conn) -> None:
         """Consume the notifications already queued: one wake-up for a burst of commits."""
-        for _ in conn.notifies(timeout=0.001):  # 0 would mean "no timeout"
-            pass
+        for notification in conn.notifies(timeout=0.001):  # 0 would mean "no timeout"
+            self.payloads.append(notification.payload)
 
     def close(self) -> None:
         if self._connection is not None:

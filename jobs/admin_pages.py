@@ -180,7 +180,9 @@ def run_page(*, run: Run) -> dict:
     for attempt in attempts:
         attempt.error = redact(attempt.error)  # stored redacted; shown so whatever wrote it
         attempt.took = duration(
-            attempt.finished_at - attempt.started_at if attempt.finished_at else None
+            attempt.finished_at - attempt.started_at
+            if attempt.finished_at and attempt.started_at
+            else None
         )
         attempt.log_url = reverse("admin:logs_app_attempt_log", args=[attempt.id])
         # Its TaskResult (django-celery-results), kept when SCHEDULER_CELERY_RESULTS is on.

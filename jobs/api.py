@@ -146,7 +146,8 @@ class AttemptOutput(serializers.Serializer):
     fencing_token = serializers.IntegerField()
     worker = serializers.CharField()
     task_id = serializers.CharField()  # the delivering Celery task (AsyncResult's id)
-    started_at = serializers.DateTimeField()
+    # None while reserved with its pack, not yet seen to start (docs/semantics.md).
+    started_at = serializers.DateTimeField(allow_null=True)
     heartbeat_at = serializers.DateTimeField()
     lease_expires_at = serializers.DateTimeField()
     finished_at = serializers.DateTimeField(allow_null=True)

@@ -209,7 +209,9 @@ class Attempt(models.Model):
     # started_at + timeout_seconds: the worker stops the handler then; the reaper after.
     deadline_at = models.DateTimeField(null=True, blank=True)
     heartbeat_at = models.DateTimeField()
-    started_at = models.DateTimeField()
+    # None while the attempt is reserved with its pack (dispatch.runtime) and its handler
+    # has not been seen to start; the worker records the start with the outcome.
+    started_at = models.DateTimeField(null=True, blank=True)
     finished_at = models.DateTimeField(null=True, blank=True)
     error = models.TextField(blank=True, default="")
 

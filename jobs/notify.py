@@ -7,6 +7,8 @@ safety net: a notification missed while a listener reconnects costs one poll int
 On SQLite (the embedded defaults) `notify` does nothing and loops only poll.
 """
 
+import datetime as dt
+
 from django.db import connection
 
 # Outbox rows were committed: the relays publish them.
@@ -16,9 +18,20 @@ CHANNEL_OUTBOX = "scheduler_outbox"
 CHANNEL_SCHEDULE = "scheduler_schedule"
 
 
-def notify(channel: str) -> None:
-    """Wake the listeners of `channel` when the current transaction commits."""
+def notify(channel: str, *, at: dt.datetime | None = None) -> None:
+    """Wake the listeners of `channel` when the current transaction commits. `at`: the
+    instant the new work is due (the payload, ISO 8601), so that a scheduler sleeping
+    until an earlier instant goes on sleeping without a query; none: look again."""
     if connection.vendor != "postgresql":
         return
     with connection.cursor() as cursor:
-        cursor.execute("SELECT pg_notify(%s, '')", [channel])
+        cursor.execute("SELECT pg_notify(%s, %s)", [channel, at.isoformat() if at else ""])
+
+
+def notified_instant(payload: str) -> dt.datetime | None:
+    """The instant a notification's payload announces; None when it announces none."""
+    try:
+        at = dt.datetime.fromisoformat(payload) if payload else None
+    except ValueError:
+        return None
+    return at if at is not None and at.tzinfo is not None else None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
+import time
 
 from django.conf import settings
 from django.contrib.auth.models import AbstractBaseUser
@@ -13,6 +14,7 @@ from django.db.models.functions import RowNumber
 
 from . import keys
 from .audit import audit_event, audit_record
+from .clock import db_now
 from .counters import counter_increment
 from .models import AttemptState, Job, JobState, JobVersion, Run, RunKind, RunState
 from .notify import CHANNEL_SCHEDULE, notify
@@ -24,6 +26,7 @@ from .transitions import (
     ACTIVE_RUN_STATES,
     LIVE_JOB_STATES,
     attempt_fail,
+    attempt_release,
     job_mark_deleted,
     job_replace_spec,
     job_to_active,
@@ -52,12 +55,30 @@ class JobQuotaExceeded(Exception):
 QUOTA_STATES = (JobState.ACTIVE, JobState.PAUSED)
 
 
+# A count of an owner's jobs is reused for this long by the process that made it, while
+# the owner stays below this share of the limit: far from it, creating a job costs no scan
+# of the owner's jobs; near it, every create counts exactly.
+QUOTA_RECOUNT_SECONDS = 1.0
+QUOTA_RECOUNT_SHARE = 0.9
+_quota_counts: dict[tuple, tuple[int, float]] = {}  # (owner, limit) -> (count, counted at)
+
+
 def job_quota_check(*, owner: AbstractBaseUser, adding: int) -> None:
     """JobQuotaExceeded unless the owner's active and paused jobs, with `adding` more, stay
     within SCHEDULER_OWNER_MAX_JOBS. The count stops at the limit (a bounded scan of the
-    owner's jobs); concurrent creates of one owner may overshoot it by their own sizes."""
+    owner's jobs) and is reused for a second while far below it; concurrent creates of one
+    owner may overshoot the limit by their own sizes, as with any count-then-insert."""
     limit = settings.SCHEDULER_OWNER_MAX_JOBS
     if not adding:
+        return
+    key, now = (owner.pk, limit), time.monotonic()
+    counted = _quota_counts.get(key)
+    if (
+        counted is not None
+        and now - counted[1] < QUOTA_RECOUNT_SECONDS
+        and counted[0] + adding <= limit * QUOTA_RECOUNT_SHARE
+    ):
+        _quota_counts[key] = (counted[0] + adding, counted[1])
         return
     held = Job.objects.filter(owner=owner, deleted_at=None, state__in=QUOTA_STATES)
     held = held.order_by().values("id")[:limit].count()
@@ -66,6 +87,9 @@ def job_quota_check(*, owner: AbstractBaseUser, adding: int) -> None:
             f"The owner holds {held} active or paused jobs; {adding} more would pass the limit "
             f"of {limit} (SCHEDULER_OWNER_MAX_JOBS). Delete or cancel jobs first."
         )
+    if len(_quota_counts) > 10_000:
+        _quota_counts.clear()  # bounded: a count is only an optimization
+    _quota_counts[key] = (held + adding, now)
 
 
 def job_create_bulk(
@@ -97,8 +121,9 @@ def job_create_bulk(
                          data={"version": job.version, **({"bulk": True} if bulk else {})})
              for job in jobs],
         )  # fmt: skip
-        if jobs:
-            notify(CHANNEL_SCHEDULE)
+        firsts = [job.next_run_at for job in jobs if job.next_run_at is not None]
+        if firsts:
+            notify(CHANNEL_SCHEDULE, at=min(firsts))
     return jobs
 
 
@@ -154,12 +179,28 @@ def attempt_record_failure(
         if ended == AttemptState.LOST:
             counter_increment("scheduler_lease_expired_total")
         if decision.retry_at is not None:
-            notify(CHANNEL_SCHEDULE)  # the promoter queues the retry at its instant
+            # The promoter queues the retry at its instant.
+            notify(CHANNEL_SCHEDULE, at=decision.retry_at)
         if decision.retry_at is None:
             # After the commit, in its own transaction: pausing locks the job row, and doing
             # it here (attempt and run locked) would invert the scheduler's job-then-run order.
             transaction.on_commit(lambda: _pause_job_of_run_if_failing(attempt.run_id, now))
     return RunState.RETRY_WAIT if decision.retry_at else RunState.FAILED
+
+
+def attempt_release_unstarted(*, attempt, by: str, error: str) -> bool:
+    """End a reserved attempt that never started, without charging it to the run's budget,
+    and queue its run again through the promoter (`jobs.transitions.attempt_release`).
+    False when it started, ended or lost its token meanwhile."""
+    with transaction.atomic(savepoint=False):
+        now = db_now()
+        if not attempt_release(attempt=attempt, now=now, error=error):
+            return False
+        audit_record(action="attempt.released", by=by, run_id=attempt.run_id,
+                     data={"attempt": attempt.number, "fencing_token": attempt.fencing_token,
+                           "reason": error})  # fmt: skip
+        notify(CHANNEL_SCHEDULE, at=now)  # the promoter queues it at once
+    return True
 
 
 def _pause_job_of_run_if_failing(run_id, now: dt.datetime) -> None:
@@ -248,7 +289,7 @@ def job_update(
             job=job, version=expected_version + 1, spec=spec, created_by=actor
         )
         if fields.get("next_run_at") is not None:
-            notify(CHANNEL_SCHEDULE)  # its next fire may now be earlier
+            notify(CHANNEL_SCHEDULE, at=fields["next_run_at"])  # perhaps earlier now
         audit_record(action="job.updated", actor=actor, job_id=job.id,
                      data={"version": expected_version + 1,
                            "changed": [c["field"] for c in changed]})  # fmt: skip

@@ -281,7 +281,15 @@ def run_claim(
     row = claim(params)
     if row is None:
         return None
-    version = JobVersion(id=row["job_version_id"], job_id=row["job_id"], spec=row["spec"])
+    return _claimed_attempt(row, worker=worker[:200], claim_id=claim_id, task_id=params["task_id"])
+
+
+def _claimed_attempt(row: dict, *, worker: str, claim_id, task_id: str, reserved=False) -> Attempt:
+    """The attempt a claim (or a reservation) made, with its run and spec, as the claim's
+    statement returned them: the worker needs nothing more before it runs the handler."""
+    # Django has psycopg hand jsonb over as text.
+    spec = json.loads(row["spec"]) if isinstance(row["spec"], str) else row["spec"]
+    version = JobVersion(id=row["job_version_id"], job_id=row["job_id"], spec=spec)
     run = Run(
         id=row["id"], job_id=row["job_id"], job_version=version, kind=row["kind"],
         state=RunState.RUNNING, scheduled_for=row["scheduled_for"],
@@ -291,11 +299,14 @@ def run_claim(
     run._state.adding = False
     attempt = Attempt(
         id=row["attempt_id"], run=run, number=row["attempt_count"],
-        fencing_token=row["fencing_token"], state=AttemptState.RUNNING, worker=worker[:200],
-        claim_id=claim_id, task_id=params["task_id"], lease_expires_at=row["lease_expires_at"],
-        deadline_at=row["deadline_at"], heartbeat_at=row["now"], started_at=row["now"],
+        fencing_token=row["fencing_token"], state=AttemptState.RUNNING, worker=worker,
+        claim_id=claim_id, task_id=task_id, lease_expires_at=row["lease_expires_at"],
+        deadline_at=None if reserved else row["deadline_at"], heartbeat_at=row["now"],
+        started_at=None if reserved else row["now"],
     )  # fmt: skip
     attempt._state.adding = False
+    if reserved:
+        attempt.reserved_at = row["now"]  # the database's clock at the reservation
     return attempt
 
 
@@ -347,10 +358,7 @@ def _claim_postgresql(params: dict) -> dict | None:
         row = cursor.fetchone()
         if row is None:
             return None
-        row = dict(zip([column.name for column in cursor.description], row, strict=True))
-    if isinstance(row["spec"], str):  # Django has psycopg hand jsonb over as text
-        row["spec"] = json.loads(row["spec"])
-    return row
+        return dict(zip([column.name for column in cursor.description], row, strict=True))
 
 
 def _claim_portable(params: dict) -> dict | None:
@@ -392,6 +400,122 @@ def _claim_portable(params: dict) -> dict | None:
             deadline_at=attempt.deadline_at,
         )  # fmt: skip
         return row
+
+
+def runs_reserve(
+    *,
+    run_ids: list,
+    worker: str,
+    claim_id: uuid.UUID,
+    published_at: dt.datetime | None = None,
+    task_id: str = "",
+) -> list[Attempt]:
+    """queued -> running for the first attempts of a packed message's runs, in one
+    statement: each run gets its own attempt, token and lease, but no start and no deadline
+    yet (`started_at` None: reserved). The worker starts them one after another and records
+    each start with its outcome; the reaper treats a reserved attempt whose lease expired as
+    possibly started only for the first of its pack (`reserved_expired_split`).
+
+    Only first attempts of `at_least_once` runs are reserved: a retry, a replay or an
+    `at_most_once` run is claimed when its turn comes (`run_claim`), so that an attempt
+    that may have started is always known to have. Returns the attempts made, in the
+    order of their ids (the order the worker runs them in), each with its run and spec;
+    none on other databases than PostgreSQL."""
+    if not run_ids or connection.vendor != "postgresql":
+        return []
+    run, version, attempt = Run._meta.db_table, JobVersion._meta.db_table, Attempt._meta.db_table
+    sql = f"""
+        WITH clock AS (SELECT clock_timestamp() AS now),
+        pack AS (
+            SELECT * FROM unnest(%(run_ids)s::uuid[]) WITH ORDINALITY AS p(run_id, position)
+        ),
+        claimed AS (
+            UPDATE {run} AS r
+               SET state = %(running)s, fencing_token = r.fencing_token + 1,
+                   attempt_count = r.attempt_count + 1, updated_at = clock.now,
+                   next_attempt_at = NULL,
+                   published_at = COALESCE(r.published_at, %(published_at)s::timestamptz)
+              FROM clock, pack, {version} AS v
+             WHERE r.id = pack.run_id AND r.state = ANY(%(from_states)s) AND r.attempt_count = 0
+               AND v.id = r.job_version_id
+               AND COALESCE(v.spec->>'delivery', '') <> 'at_most_once'
+         RETURNING {", ".join(f"r.{c.strip()}" for c in _CLAIMED_COLUMNS.split(","))},
+                   clock.now, pack.position, v.spec,
+                   clock.now + make_interval(
+                       secs => (v.spec->>'heartbeat_timeout_seconds')::float8
+                   ) AS lease_expires_at
+        ),
+        attempt AS (
+            INSERT INTO {attempt} (run_id, number, fencing_token, state, worker, claim_id,
+                                   lease_expires_at, deadline_at, heartbeat_at, started_at, error,
+                                   task_id)
+            SELECT id, attempt_count, fencing_token, %(attempt_running)s, %(worker)s,
+                   %(claim_id)s, lease_expires_at, NULL, now, NULL, '', %(task_id)s
+              FROM claimed ORDER BY position
+         RETURNING id, run_id
+        )
+        SELECT claimed.*, attempt.id AS attempt_id
+          FROM claimed JOIN attempt ON attempt.run_id = claimed.id ORDER BY attempt.id
+    """
+    params = {
+        "run_ids": [Run._meta.pk.get_db_prep_value(run_id, connection) for run_id in run_ids],
+        "worker": worker[:200],
+        "claim_id": claim_id,
+        "published_at": published_at,
+        "task_id": task_id[:64],
+        "running": RunState.RUNNING,
+        "attempt_running": AttemptState.RUNNING,
+        "from_states": sorted(RUN_TRANSITIONS[RunState.RUNNING]),
+    }
+    with connection.cursor() as cursor:
+        cursor.execute(sql, params)
+        names = [column.name for column in cursor.description]
+        rows = [dict(zip(names, values, strict=True)) for values in cursor.fetchall()]
+    return [_claimed_attempt(row, worker=params["worker"], claim_id=claim_id,
+                             task_id=params["task_id"], reserved=True) for row in rows]  # fmt: skip
+
+
+def attempts_still_running(*, attempt_ids: list[int]) -> set[int]:
+    """Which of these attempts are still `running`: a reserved attempt cancelled or taken
+    by the reaper before its turn is not started."""
+    if not attempt_ids:
+        return set()
+    return set(
+        Attempt.objects.filter(id__in=attempt_ids, state=AttemptState.RUNNING).values_list(
+            "id", flat=True
+        )
+    )
+
+
+def attempt_release(*, attempt: Attempt, now: dt.datetime, error: str) -> bool:
+    """running -> lost for a reserved attempt that never started (its pack ended first, or
+    its pack's worker was lost while an earlier run of the pack was the one possibly
+    running), and running -> retry_wait due at once for its run, without charging the
+    attempt to the run's retry budget (`retry_base` moves with it): the promoter queues it
+    again, and its next attempt is claimed at its turn."""
+    return _finish(
+        attempt,
+        attempt_to=AttemptState.LOST,
+        run_to=RunState.RETRY_WAIT,
+        now=now,
+        error=error,
+        only_if=Q(started_at__isnull=True),
+        next_attempt_at=now,
+        retry_base=F("retry_base") + 1,
+    )
+
+
+def attempt_record_start(*, attempt: Attempt) -> None:
+    """A reserved attempt's start, written with its outcome (in the caller's transaction):
+    the attempt's and, for its first start, the run's. Nothing for a claimed attempt."""
+    if getattr(attempt, "reserved_at", None) is None or attempt.started_at is None:
+        return
+    Attempt.objects.filter(id=attempt.id, started_at__isnull=True).update(
+        started_at=attempt.started_at
+    )
+    Run.objects.filter(id=attempt.run_id, started_at__isnull=True).update(
+        started_at=attempt.started_at
+    )
 
 
 def attempts_renew_leases(
@@ -523,23 +647,26 @@ def attempts_succeed(*, outcomes: list[tuple[Attempt, object]]) -> set[int]:
             f"""
             WITH outcome AS (
                 SELECT * FROM unnest(%(ids)s::bigint[], %(runs)s::uuid[], %(tokens)s::bigint[],
-                                     %(results)s::jsonb[]) AS o(attempt_id, run_id, token, result)
+                                     %(results)s::jsonb[], %(started)s::timestamptz[])
+                           AS o(attempt_id, run_id, token, result, started)
             ),
             finished AS (
                 UPDATE {attempt_table} AS a
                    SET state = %(attempt_succeeded)s, error = '',
-                       finished_at = STATEMENT_TIMESTAMP()
+                       finished_at = STATEMENT_TIMESTAMP(),
+                       started_at = COALESCE(a.started_at, o.started)
                   FROM outcome AS o
                  WHERE a.id = o.attempt_id AND a.state = %(attempt_running)s
                    AND a.fencing_token = o.token
                    AND EXISTS (SELECT 1 FROM {run_table} AS r WHERE r.id = o.run_id
                                AND r.state = %(running)s AND r.fencing_token = o.token)
-             RETURNING a.id, a.run_id, o.token, o.result
+             RETURNING a.id, a.run_id, o.token, o.result, a.started_at
             ),
             moved AS (
                 UPDATE {run_table} AS r
                    SET state = %(succeeded)s, finished_at = STATEMENT_TIMESTAMP(),
-                       updated_at = STATEMENT_TIMESTAMP(), result = f.result, failure_reason = ''
+                       updated_at = STATEMENT_TIMESTAMP(), result = f.result, failure_reason = '',
+                       started_at = COALESCE(r.started_at, f.started_at)
                   FROM finished AS f
                  WHERE r.id = f.run_id AND r.state = %(running)s AND r.fencing_token = f.token
              RETURNING r.id
@@ -552,6 +679,8 @@ def attempts_succeed(*, outcomes: list[tuple[Attempt, object]]) -> set[int]:
                 "tokens": [a.fencing_token for a, _ in outcomes],
                 # None stays SQL NULL, as the ORM stores it.
                 "results": [None if r is None else json.dumps(r) for _, r in outcomes],
+                # A reserved attempt's start, seen by its worker (None: already written).
+                "started": [a.started_at for a, _ in outcomes],
                 "succeeded": RunState.SUCCEEDED,
                 "running": RunState.RUNNING,
                 "attempt_succeeded": AttemptState.SUCCEEDED,

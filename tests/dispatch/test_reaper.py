@@ -335,3 +335,62 @@ def test_a_cancel_racing_the_reaper_never_deadlocks_and_both_outcomes_stand(queu
     assert errors == []
     assert Run.objects.get(id=first.id).state == RunState.RETRY_WAIT
     assert Run.objects.get(id=second.id).state == RunState.CANCELLED
+
+
+def _reserve_pack(queued_run, count: int):
+    """A packed message's runs reserved by a worker that is then lost: their attempts are
+    running with leases the reaper sees expired an hour later."""
+    import uuid
+
+    from jobs.clock import db_now
+    from jobs.transitions import runs_reserve
+
+    runs = [queued_run(retry={"max_attempts": 3}) for _ in range(count)]
+    attempts = runs_reserve(run_ids=[run.id for run in runs], worker="w", claim_id=uuid.uuid4())
+    assert [a.run_id for a in attempts] == [run.id for run in runs]
+    return runs, attempts, db_now() + dt.timedelta(hours=1)
+
+
+def _budget_used(run) -> int:
+    run.refresh_from_db()
+    return run.attempt_count - run.retry_base
+
+
+@pytest.mark.parametrize("batch_size", [200, 1])
+def test_a_lost_packs_first_reserved_attempt_is_charged_and_the_others_released(
+    queued_run, batch_size
+):
+    """Its worker runs a pack's reserved attempts one at a time, in the order of their ids:
+    only the first not yet recorded may have run, so only it is charged; the others never
+    started, and go back to their queue with their budget untouched, however many reaper
+    passes it takes."""
+    runs, attempts, now = _reserve_pack(queued_run, 4)
+    # The first succeeded, recorded; the worker was lost during the second.
+    assert attempt_succeed(attempt=attempts[0])
+
+    for _ in range(4):
+        reaper_run_once(now=now, config=ReaperConfig(batch_size=batch_size))
+
+    states = [Attempt.objects.get(id=a.id).state for a in attempts]
+    assert states == [AttemptState.SUCCEEDED] + [AttemptState.LOST] * 3
+    assert [_budget_used(run) for run in runs[1:]] == [1, 0, 0]
+    assert all(Run.objects.get(id=run.id).state == RunState.RETRY_WAIT for run in runs[1:])
+    released = Attempt.objects.filter(id__in=[a.id for a in attempts[2:]])
+    assert all("not started" in attempt.error for attempt in released)
+    # Released runs are due again at once; the charged one waits for its back-off.
+    assert Run.objects.get(id=runs[2].id).next_attempt_at <= now
+    assert (
+        Run.objects.get(id=runs[1].id).next_attempt_at
+        > Run.objects.get(id=runs[2].id).next_attempt_at
+    )
+
+
+def test_a_reserved_attempt_has_no_deadline_until_it_starts(queued_run):
+    """A reserved run waits behind its pack-mates: only its lease can expire meanwhile."""
+    runs, attempts, now = _reserve_pack(queued_run, 2)
+    assert all(Attempt.objects.get(id=a.id).deadline_at is None for a in attempts)
+    Attempt.objects.filter(id__in=[a.id for a in attempts]).update(
+        lease_expires_at=now + dt.timedelta(hours=1)
+    )
+    result = reaper_run_once(now=now, config=ReaperConfig())
+    assert (result.lost, result.timed_out, result.released) == (0, 0, 0)

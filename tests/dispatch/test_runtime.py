@@ -608,13 +608,97 @@ def test_a_packed_run_past_its_time_limit_times_out_alone(queued_run):
     assert Run.objects.get(id=fast.id).state == RunState.SUCCEEDED
 
 
-def test_the_runs_of_a_packed_message_not_yet_claimed_are_delivered_again(queued_run, monkeypatch):
+def test_a_packs_runs_are_reserved_together_and_each_starts_at_its_turn(queued_run):
+    """One statement reserves the pack's first attempts: `running`, leased, no start and no
+    deadline; each records its own start with its outcome."""
+    from dispatch.runtime import run_execute_deliveries
+
+    runs = [queued_run(timeout_seconds=60) for _ in range(3)]
+    seen = {}
+
+    def handler(ctx, *args, **kwargs):
+        # While the first runs, the others are reserved and not started.
+        attempts = Attempt.objects.filter(run_id__in=[run.id for run in runs]).order_by("id")
+        seen[ctx.run_id] = [(a.state, a.started_at is None, a.deadline_at) for a in attempts]
+        return "ok"
+
+    summary = run_execute_deliveries(
+        run_ids=[str(run.id) for run in runs], handler=handler, worker="w", message_id="m"
+    )
+
+    assert [item["outcome"] for item in summary["runs"]] == [RunState.SUCCEEDED] * 3
+    first = seen[str(runs[0].id)]
+    assert first == [(AttemptState.RUNNING, True, None)] * 3, first
+    for run in runs:
+        run.refresh_from_db()
+        attempt = run.attempts.get()
+        assert attempt.started_at is not None and attempt.started_at <= attempt.finished_at
+        assert run.started_at == attempt.started_at
+        assert attempt.claim_id is not None
+    assert len({run.attempts.get().claim_id for run in runs}) == 1
+
+
+def test_a_retry_an_at_most_once_run_and_a_duplicate_are_claimed_at_their_turn(queued_run):
+    """Only first attempts of at_least_once runs are reserved: the others are claimed when
+    their turn comes, so an attempt that may have started is always known to have."""
+    from dispatch.runtime import run_execute_deliveries
+
+    fresh = queued_run()
+    retry = queued_run()
+    Run.objects.filter(id=retry.id).update(attempt_count=1, fencing_token=1)
+    once = queued_run(delivery="at_most_once")
+    started = {}
+
+    def handler(ctx, *args, **kwargs):
+        attempt = Attempt.objects.get(run_id=ctx.run_id, state=AttemptState.RUNNING)
+        started[ctx.run_id] = attempt.started_at is not None
+
+    summary = run_execute_deliveries(
+        run_ids=[str(retry.id), str(once.id), str(fresh.id)], handler=handler, worker="w",
+        message_id="m",
+    )  # fmt: skip
+
+    assert [item["outcome"] for item in summary["runs"]] == [RunState.SUCCEEDED] * 3
+    assert started == {str(fresh.id): False, str(retry.id): True, str(once.id): True}
+    assert Run.objects.get(id=retry.id).attempts.get().number == 2
+
+
+def test_a_pack_whose_reservation_failed_is_delivered_again(queued_run, monkeypatch):
     from django.db import OperationalError
 
     import dispatch.runtime
     from tests.sample_tasks import record
 
     runs = [queued_run() for _ in range(3)]
+    real_reserve = dispatch.runtime.runs_reserve
+    calls = []
+
+    def away_once(**kwargs):
+        calls.append(kwargs["run_ids"])
+        if len(calls) == 1:
+            raise OperationalError("connection refused")
+        return real_reserve(**kwargs)
+
+    monkeypatch.setattr(dispatch.runtime, "runs_reserve", away_once)
+    monkeypatch.setattr(dispatch.runtime, "COMPLETION_RETRY_SECONDS", 0.0)
+
+    record.apply(kwargs={"run_ids": [str(run.id) for run in runs]})
+
+    # The retry carried the whole pack; each ran once.
+    assert calls == [[str(run.id) for run in runs]] * 2
+    assert all(Run.objects.get(id=run.id).state == RunState.SUCCEEDED for run in runs)
+    assert all(Run.objects.get(id=run.id).attempts.count() == 1 for run in runs)
+
+
+def test_the_unreserved_runs_of_a_pack_not_yet_claimed_are_delivered_again(queued_run, monkeypatch):
+    from django.db import OperationalError
+
+    import dispatch.runtime
+    from tests.sample_tasks import record
+
+    runs = [queued_run() for _ in range(3)]
+    # Retries: claimed at their turn.
+    Run.objects.filter(id__in=[run.id for run in runs]).update(attempt_count=1, fencing_token=1)
     real_claim = dispatch.runtime.run_claim
     claimed = []
 
@@ -636,44 +720,47 @@ def test_the_runs_of_a_packed_message_not_yet_claimed_are_delivered_again(queued
     assert all(Run.objects.get(id=run.id).attempts.count() == 1 for run in runs)
 
 
-def test_a_pack_ended_by_its_first_run_delivers_the_others_again(queued_run, monkeypatch):
+def test_a_pack_ended_by_its_first_run_releases_the_others_uncharged(queued_run, monkeypatch):
     import asyncio
 
-    import dispatch.runtime
-    from tests.sample_tasks import record
+    from dispatch.promoter import PromoterConfig, promoter_run_once
+    from dispatch.runtime import run_execute_deliveries, run_execute_delivery
+    from jobs.models import AuditEvent
 
-    runs = [queued_run() for _ in range(3)]
-    real_execute = dispatch.runtime.run_execute_delivery
+    runs = [queued_run(retry={"max_attempts": 1}) for _ in range(3)]
 
     def first_interrupts(ctx, *args, **kwargs):
         if ctx.run_id == str(runs[0].id):
             raise asyncio.CancelledError()  # a BaseException: it ends the task
         return {"ok": True}
 
-    monkeypatch.setattr(
-        dispatch.runtime,
-        "run_execute_delivery",
-        lambda **kwargs: real_execute(**{**kwargs, "handler": first_interrupts}),
-    )
-    published = []  # what a worker's Task.retry would publish (eagerly it publishes nothing)
-    monkeypatch.setattr(
-        record, "retry", lambda kwargs, **options: published.append(kwargs["run_ids"])
-    )
-
     with pytest.raises(asyncio.CancelledError):
-        record.apply(kwargs={"run_ids": [str(run.id) for run in runs]}, throw=True)
+        run_execute_deliveries(
+            run_ids=[str(run.id) for run in runs], handler=first_interrupts, worker="w",
+            message_id="m",
+        )  # fmt: skip
 
-    assert published == [[str(runs[1].id), str(runs[2].id)]]
     assert runs[0].attempts.get().state == AttemptState.FAILED
-    assert [Run.objects.get(id=run.id).state for run in runs[1:]] == [RunState.QUEUED] * 2
-    # Delivered again, they run.
-    monkeypatch.setattr(dispatch.runtime, "run_execute_delivery", real_execute)
-    record.apply(kwargs={"run_ids": published[0]})
-    assert [Run.objects.get(id=run.id).state for run in runs[1:]] == [RunState.SUCCEEDED] * 2
+    for run in runs[1:]:
+        run.refresh_from_db()
+        attempt = run.attempts.get()
+        assert (attempt.state, attempt.started_at) == (AttemptState.LOST, None)
+        # Not charged: the run's one attempt is still to come.
+        assert (run.state, run.attempt_count, run.retry_base) == (RunState.RETRY_WAIT, 1, 1)
+    assert AuditEvent.objects.filter(action="attempt.released").count() == 2
+    # The promoter queues them through the outbox; delivered again, they run.
+    promoter_run_once(now=later(1), config=PromoterConfig())
+    for run in runs[1:]:
+        assert Run.objects.get(id=run.id).state == RunState.QUEUED
+        out = run_execute_delivery(
+            run_id=str(run.id), handler=first_interrupts, worker="w", message_id="m2"
+        )
+        assert out["outcome"] == RunState.SUCCEEDED
+        assert Run.objects.get(id=run.id).attempts.count() == 2
 
 
 def test_a_packed_run_cancelled_while_it_waits_its_turn_never_runs(queued_run, user):
-    from dispatch.runtime import run_execute_deliveries
+    from dispatch.runtime import RESERVED_CHECK_SECONDS, run_execute_deliveries
     from jobs.services import run_cancel_request
 
     first, waiting = queued_run(), queued_run()
@@ -683,6 +770,7 @@ def test_a_packed_run_cancelled_while_it_waits_its_turn_never_runs(queued_run, u
         ran.append(ctx.run_id)
         if ctx.run_id == str(first.id):  # the operator cancels the next run meanwhile
             assert run_cancel_request(run=Run.objects.get(id=waiting.id), actor=user, now=later(1))
+            time.sleep(RESERVED_CHECK_SECONDS * 2)
 
     summary = run_execute_deliveries(
         run_ids=[str(first.id), str(waiting.id)], handler=handler, worker="w", message_id="m"
@@ -691,7 +779,8 @@ def test_a_packed_run_cancelled_while_it_waits_its_turn_never_runs(queued_run, u
     assert ran == [str(first.id)]
     assert [item["outcome"] for item in summary["runs"]] == [RunState.SUCCEEDED, "cancelled"]
     assert Run.objects.get(id=waiting.id).state == RunState.CANCELLED
-    assert not Attempt.objects.filter(run_id=waiting.id).exists()
+    attempt = Attempt.objects.get(run_id=waiting.id)
+    assert (attempt.state, attempt.started_at) == (AttemptState.CANCELLED, None)
 
 
 @pytest.mark.django_db(transaction=True)
@@ -725,3 +814,39 @@ def test_a_packed_success_is_recorded_while_a_later_run_still_runs(queued_run):
     assert [item["outcome"] for item in summary["runs"]] == [RunState.SUCCEEDED] * 2
     assert Run.objects.get(id=quick.id).result == "quick"
     assert Run.objects.get(id=slow.id).result == "slow"
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_reserved_run_cancelled_just_before_its_turn_is_cancelled_as_a_running_run(
+    queued_run, user
+):
+    """Within RESERVED_CHECK_SECONDS of its turn a cancel may not be seen before the start:
+    the run is `running` to its canceller, and is stopped as a running run is: its
+    heartbeat says so, its completion is refused, the run stays cancelled."""
+    from dispatch.runtime import run_execute_deliveries
+    from jobs.services import run_cancel_request
+
+    first, waiting = queued_run(), queued_run()
+    beats = {}
+
+    def handler(ctx, *args, **kwargs):
+        if ctx.run_id == str(first.id):
+            assert run_cancel_request(run=Run.objects.get(id=waiting.id), actor=user, now=later(1))
+            return "first"
+        beats[ctx.run_id] = (ctx.heartbeat(), ctx.cancel_requested)
+        return "should not be recorded"
+
+    summary = run_execute_deliveries(
+        run_ids=[str(first.id), str(waiting.id)], handler=handler, worker="w", message_id="m"
+    )
+
+    outcomes = [item["outcome"] for item in summary["runs"]]
+    assert outcomes[0] == RunState.SUCCEEDED
+    if str(waiting.id) in beats:  # started within the window
+        assert beats[str(waiting.id)] == (False, True)
+        assert outcomes[1] == "stale"
+    else:
+        assert outcomes[1] == "cancelled"
+    waiting.refresh_from_db()
+    assert (waiting.state, waiting.result) == (RunState.CANCELLED, None)
+    assert Attempt.objects.get(run_id=waiting.id).state == AttemptState.CANCELLED
