@@ -113,3 +113,24 @@ def chatty(ctx, lines=100, seconds=0.0, crash_first=False):
     _commit_effect(ctx, "work")
     _record(ctx, "executed")
     return {"lines": lines}
+
+
+@job_task(name="faults.packed_work", pack=10)
+def packed_work(ctx, seconds=0.2):
+    """faults.work for short runs: up to 10 travel in one message, reserved together."""
+    _record(ctx, "started", pid=os.getpid())
+    time.sleep(seconds)
+    _commit_effect(ctx, "work")
+    _record(ctx, "executed")
+    return {"ok": True}
+
+
+@job_task(name="faults.packed_poison", pack=10)
+def packed_poison(ctx, kind="ok"):
+    """A pack's run that kills its worker process every time when `kind` is "poison"."""
+    _record(ctx, "started", pid=os.getpid())
+    if kind == "poison":
+        os.kill(os.getpid(), signal.SIGKILL)
+    _commit_effect(ctx, "work")
+    _record(ctx, "executed")
+    return {"ok": True}
