@@ -100,7 +100,7 @@ def reaper_run_once(*, now: dt.datetime, config: ReaperConfig) -> ReaperResult:
             # Reserved with its pack: only the first of the pack's expired ones may have
             # been running when its worker was lost; the others never started.
             unstarted = _pack_mates_unstarted(attempt, now=now)
-            released |= _release(unstarted, config=config)
+            released |= _release(unstarted, now=now, config=config)
             if attempt.id in released:
                 continue
         # Past its deadline the attempt timed out, whether or not its worker still lives.
@@ -160,19 +160,16 @@ def reaper_run_once(*, now: dt.datetime, config: ReaperConfig) -> ReaperResult:
 
 
 def _pack_mates_unstarted(attempt: Attempt, *, now: dt.datetime) -> list[Attempt]:
-    """The reserved attempts of `attempt`'s pack (its claim) whose leases expired and that
-    follow the first of them: a pack runs its reserved attempts one at a time in the order
-    of their ids, so when its worker is lost only the first one not yet recorded can have
-    been running (or have succeeded unrecorded). A reserved attempt released earlier counts
-    as before them: the first of a pack is charged once, however many passes it takes."""
+    """The reserved attempts of `attempt`'s pack (its claim) that never started, of those
+    whose leases expired: a pack runs its reserved attempts one at a time in the order of
+    their ids, so when its worker is lost only the first of them not yet recorded can have
+    run (its handler running, or its success not yet written); every later one is released.
+    The first is the first of all the pack's unrecorded reserved attempts, expired or not
+    (pack-mates may have different heartbeat timeouts), and one charged or released earlier
+    comes before them all: a pack's first is charged once, however many passes it takes."""
     mates = list(
         Attempt.objects.select_related("run__job_version")
-        .filter(
-            claim_id=attempt.claim_id,
-            started_at__isnull=True,
-            state=AttemptState.RUNNING,
-            lease_expires_at__lt=now,
-        )
+        .filter(claim_id=attempt.claim_id, started_at__isnull=True, state=AttemptState.RUNNING)
         .order_by("id")
     )
     if not mates:
@@ -183,10 +180,10 @@ def _pack_mates_unstarted(attempt: Attempt, *, now: dt.datetime) -> list[Attempt
         state=AttemptState.LOST,
         id__lt=mates[0].id,
     ).exists()
-    return mates if earlier_ended else mates[1:]
+    return [mate for mate in (mates if earlier_ended else mates[1:]) if mate.lease_expires_at < now]
 
 
-def _release(attempts: list[Attempt], *, config: ReaperConfig) -> set[int]:
+def _release(attempts: list[Attempt], *, now: dt.datetime, config: ReaperConfig) -> set[int]:
     released = set()
     for attempt in attempts:
         try:
@@ -194,7 +191,9 @@ def _release(attempts: list[Attempt], *, config: ReaperConfig) -> set[int]:
                 _bounded_lock_wait(config.lock_timeout_seconds)
                 if attempt_release_unstarted(
                     attempt=attempt, by="reaper",
-                    error="its pack's worker was lost before its turn; not started",
+                    error="its pack's worker was lost before its turn",
+                    # Still expired when released: a lease renewed since the read wins.
+                    only_if=Q(lease_expires_at__lt=now),
                 ):  # fmt: skip
                     released.add(attempt.id)
         except OperationalError:

@@ -95,6 +95,8 @@ class Lease:
                 log.info("run %s was cancelled; the handler is asked to stop", self.attempt.run_id)
             elif self.finishing and state in (AttemptState.SUCCEEDED, AttemptState.FAILED):
                 pass  # the attempt's own outcome just landed
+            elif self.attempt.started_at is None:
+                pass  # reserved, and ended before its turn: it never ran here
             else:
                 counter_increment("scheduler_stale_completions_total", labels='kind="heartbeat"')
         with self._renewed:
@@ -380,7 +382,6 @@ def _failure_writer(*, run: Run, attempt: Attempt, exc: BaseException, worker: s
     def write() -> str | None:
         with transaction.atomic():
             now = db_now()
-            attempt_record_start(attempt=attempt)
             outcome = attempt_record_failure(
                 attempt=attempt,
                 spec=run.job_version.spec,
@@ -392,6 +393,7 @@ def _failure_writer(*, run: Run, attempt: Attempt, exc: BaseException, worker: s
                 retryable=not isinstance(exc, NonRetryableError),
             )
             if outcome is not None:
+                attempt_record_start(attempt=attempt)  # a reserved attempt's, once it won
                 logs_seal(attempt=attempt, now=now, **logs)
         if (
             outcome is None
@@ -691,10 +693,18 @@ def run_execute_deliveries(
     their queue through the outbox, their attempt not charged) and raises PackInterrupted
     (from its cause) with the unreserved runs not reached."""
     try:
-        reserved = _reserve(
-            run_ids=run_ids, worker=worker, published_at=_published_at(published_at),
-            task_id=message_id,
-        )  # fmt: skip
+        # Only where the worker enforces each run's time limit itself (SIGALRM, in a pool
+        # process's main thread): a reserved attempt has no deadline for the reaper.
+        reserved = (
+            _reserve(
+                run_ids=run_ids,
+                worker=worker,
+                published_at=_published_at(published_at),
+                task_id=message_id,
+            )  # fmt: skip
+            if _enforces_time_limits()
+            else []
+        )
     except (OperationalError, InterfaceError):
         log.error("could not claim the %d runs of a pack: the database is away", len(run_ids))
         return {"outcome": "claim_failed", "remaining": list(run_ids), "runs": []}
@@ -710,6 +720,10 @@ def run_execute_deliveries(
                     summary = pack.run(run_id, handler=handler, worker=worker,
                                        time_limit=time_limit, successes=successes)  # fmt: skip
                 else:
+                    # The successes before it are written first: a run claimed at its turn
+                    # may be a retry of one that kills its process, and must not take the
+                    # recorded outcomes of its pack-mates with it.
+                    successes.write()
                     summary = run_execute_delivery(
                         run_id=run_id, handler=handler, worker=worker, message_id=message_id,
                         published_at=published_at, time_limit=time_limit, successes=successes,
@@ -852,17 +866,17 @@ class Pack:
                 connection.close()
 
 
+def _enforces_time_limits() -> bool:
+    return threading.current_thread() is threading.main_thread() and hasattr(signal, "setitimer")
+
+
 @contextlib.contextmanager
 def _soft_time_limit(seconds: float | None):
     """Celery's soft time limit for one run inside a packed message: SIGALRM raises
     SoftTimeLimitExceeded in the handler, as the pool's own limit would. Only in the main
     thread of a process that has the signal (prefork, solo); elsewhere the reaper's
     `deadline_at` is the limit, as for the pools that cannot enforce Celery's."""
-    if (
-        not seconds
-        or threading.current_thread() is not threading.main_thread()
-        or not hasattr(signal, "setitimer")
-    ):
+    if not seconds or not _enforces_time_limits():
         yield
         return
 

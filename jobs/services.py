@@ -66,8 +66,9 @@ _quota_counts: dict[tuple, tuple[int, float]] = {}  # (owner, limit) -> (count, 
 def job_quota_check(*, owner: AbstractBaseUser, adding: int) -> None:
     """JobQuotaExceeded unless the owner's active and paused jobs, with `adding` more, stay
     within SCHEDULER_OWNER_MAX_JOBS. The count stops at the limit (a bounded scan of the
-    owner's jobs) and is reused for a second while far below it; concurrent creates of one
-    owner may overshoot the limit by their own sizes, as with any count-then-insert."""
+    owner's jobs) and is reused by its process for a second while far below it: the limit
+    may be overshot by what the owner's other requests create meanwhile (concurrent ones, as
+    with any count-then-insert, and those other web processes admit within that second)."""
     limit = settings.SCHEDULER_OWNER_MAX_JOBS
     if not adding:
         return
@@ -188,13 +189,13 @@ def attempt_record_failure(
     return RunState.RETRY_WAIT if decision.retry_at else RunState.FAILED
 
 
-def attempt_release_unstarted(*, attempt, by: str, error: str) -> bool:
+def attempt_release_unstarted(*, attempt, by: str, error: str, only_if: Q | None = None) -> bool:
     """End a reserved attempt that never started, without charging it to the run's budget,
     and queue its run again through the promoter (`jobs.transitions.attempt_release`).
     False when it started, ended or lost its token meanwhile."""
     with transaction.atomic(savepoint=False):
         now = db_now()
-        if not attempt_release(attempt=attempt, now=now, error=error):
+        if not attempt_release(attempt=attempt, now=now, error=error, only_if=only_if):
             return False
         audit_record(action="attempt.released", by=by, run_id=attempt.run_id,
                      data={"attempt": attempt.number, "fencing_token": attempt.fencing_token,

@@ -301,7 +301,7 @@ def _claimed_attempt(row: dict, *, worker: str, claim_id, task_id: str, reserved
         id=row["attempt_id"], run=run, number=row["attempt_count"],
         fencing_token=row["fencing_token"], state=AttemptState.RUNNING, worker=worker,
         claim_id=claim_id, task_id=task_id, lease_expires_at=row["lease_expires_at"],
-        deadline_at=None if reserved else row["deadline_at"], heartbeat_at=row["now"],
+        deadline_at=row["deadline_at"], heartbeat_at=row["now"],
         started_at=None if reserved else row["now"],
     )  # fmt: skip
     attempt._state.adding = False
@@ -411,10 +411,11 @@ def runs_reserve(
     task_id: str = "",
 ) -> list[Attempt]:
     """queued -> running for the first attempts of a packed message's runs, in one
-    statement: each run gets its own attempt, token and lease, but no start and no deadline
-    yet (`started_at` None: reserved). The worker starts them one after another and records
-    each start with its outcome; the reaper treats a reserved attempt whose lease expired as
-    possibly started only for the first of its pack (`reserved_expired_split`).
+    statement: each run gets its own attempt, token and lease, but no start yet
+    (`started_at` None: reserved), and as deadline the latest instant it can end (every run
+    before it in the pack, and itself, each at its limit). The worker starts them one after
+    another and records each start with its outcome; when a pack's worker is lost, the
+    reaper charges only the first unrecorded one and releases the others (`attempt_release`).
 
     Only first attempts of `at_least_once` runs are reserved: a retry, a replay or an
     `at_most_once` run is claimed when its turn comes (`run_claim`), so that an attempt
@@ -429,6 +430,11 @@ def runs_reserve(
         pack AS (
             SELECT * FROM unnest(%(run_ids)s::uuid[]) WITH ORDINALITY AS p(run_id, position)
         ),
+        locked AS (  -- in the order of their ids, as every multi-run update locks them
+            SELECT r.id FROM {run} AS r JOIN pack ON r.id = pack.run_id
+             WHERE r.state = ANY(%(from_states)s) AND r.attempt_count = 0
+             ORDER BY r.id FOR UPDATE OF r
+        ),
         claimed AS (
             UPDATE {run} AS r
                SET state = %(running)s, fencing_token = r.fencing_token + 1,
@@ -436,26 +442,36 @@ def runs_reserve(
                    next_attempt_at = NULL,
                    published_at = COALESCE(r.published_at, %(published_at)s::timestamptz)
               FROM clock, pack, {version} AS v
-             WHERE r.id = pack.run_id AND r.state = ANY(%(from_states)s) AND r.attempt_count = 0
+             WHERE r.id = pack.run_id AND r.id IN (SELECT id FROM locked)
+               AND r.state = ANY(%(from_states)s) AND r.attempt_count = 0
                AND v.id = r.job_version_id
                AND COALESCE(v.spec->>'delivery', '') <> 'at_most_once'
          RETURNING {", ".join(f"r.{c.strip()}" for c in _CLAIMED_COLUMNS.split(","))},
                    clock.now, pack.position, v.spec,
                    clock.now + make_interval(
                        secs => (v.spec->>'heartbeat_timeout_seconds')::float8
-                   ) AS lease_expires_at
+                   ) AS lease_expires_at,
+                   (v.spec->>'timeout_seconds')::float8 AS timeout
+        ),
+        bounded AS (
+            -- The latest a reserved run can end: after every run before it in the pack
+            -- ran to its own limit, and it to its own; none when one of them has no limit.
+            SELECT claimed.*, CASE WHEN bool_and(timeout IS NOT NULL) OVER upto
+                   THEN now + make_interval(secs => sum(timeout) OVER upto) END AS deadline_at
+              FROM claimed
+            WINDOW upto AS (ORDER BY position ROWS UNBOUNDED PRECEDING)
         ),
         attempt AS (
             INSERT INTO {attempt} (run_id, number, fencing_token, state, worker, claim_id,
                                    lease_expires_at, deadline_at, heartbeat_at, started_at, error,
                                    task_id)
             SELECT id, attempt_count, fencing_token, %(attempt_running)s, %(worker)s,
-                   %(claim_id)s, lease_expires_at, NULL, now, NULL, '', %(task_id)s
-              FROM claimed ORDER BY position
+                   %(claim_id)s, lease_expires_at, deadline_at, now, NULL, '', %(task_id)s
+              FROM bounded ORDER BY position
          RETURNING id, run_id
         )
-        SELECT claimed.*, attempt.id AS attempt_id
-          FROM claimed JOIN attempt ON attempt.run_id = claimed.id ORDER BY attempt.id
+        SELECT bounded.*, attempt.id AS attempt_id
+          FROM bounded JOIN attempt ON attempt.run_id = bounded.id ORDER BY attempt.id
     """
     params = {
         "run_ids": [Run._meta.pk.get_db_prep_value(run_id, connection) for run_id in run_ids],
@@ -487,7 +503,13 @@ def attempts_still_running(*, attempt_ids: list[int]) -> set[int]:
     )
 
 
-def attempt_release(*, attempt: Attempt, now: dt.datetime, error: str) -> bool:
+# In the error of every released attempt (the metrics' trigger keys on it, jobs/0013).
+RELEASED_ERROR = "not started"
+
+
+def attempt_release(
+    *, attempt: Attempt, now: dt.datetime, error: str, only_if: Q | None = None
+) -> bool:
     """running -> lost for a reserved attempt that never started (its pack ended first, or
     its pack's worker was lost while an earlier run of the pack was the one possibly
     running), and running -> retry_wait due at once for its run, without charging the
@@ -498,8 +520,8 @@ def attempt_release(*, attempt: Attempt, now: dt.datetime, error: str) -> bool:
         attempt_to=AttemptState.LOST,
         run_to=RunState.RETRY_WAIT,
         now=now,
-        error=error,
-        only_if=Q(started_at__isnull=True),
+        error=f"{error}; {RELEASED_ERROR}",
+        only_if=Q(started_at__isnull=True) & (only_if or Q()),
         next_attempt_at=now,
         retry_base=F("retry_base") + 1,
     )

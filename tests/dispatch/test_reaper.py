@@ -385,12 +385,45 @@ def test_a_lost_packs_first_reserved_attempt_is_charged_and_the_others_released(
     )
 
 
-def test_a_reserved_attempt_has_no_deadline_until_it_starts(queued_run):
-    """A reserved run waits behind its pack-mates: only its lease can expire meanwhile."""
-    runs, attempts, now = _reserve_pack(queued_run, 2)
-    assert all(Attempt.objects.get(id=a.id).deadline_at is None for a in attempts)
+def test_a_reserved_attempts_deadline_is_the_latest_it_can_end(queued_run):
+    """A reserved run waits behind its pack-mates: its deadline leaves room for each of them
+    and itself to run to its limit; past it (and the grace) the reaper times it out even
+    while its lease holds, as it does a claimed attempt."""
+    import uuid
+
+    from jobs.clock import db_now
+    from jobs.transitions import runs_reserve
+
+    runs = [queued_run(timeout_seconds=10, retry={"max_attempts": 1}) for _ in range(3)]
+    attempts = runs_reserve(run_ids=[run.id for run in runs], worker="w", claim_id=uuid.uuid4())
+    reserved_at = attempts[0].reserved_at
+    deadlines = [Attempt.objects.get(id=a.id).deadline_at - reserved_at for a in attempts]
+    assert deadlines == [dt.timedelta(seconds=10 * (index + 1)) for index in range(3)]
+    # Leases renewed far ahead: only the deadline can end them.
     Attempt.objects.filter(id__in=[a.id for a in attempts]).update(
-        lease_expires_at=now + dt.timedelta(hours=1)
+        lease_expires_at=db_now() + dt.timedelta(hours=1)
     )
-    result = reaper_run_once(now=now, config=ReaperConfig())
-    assert (result.lost, result.timed_out, result.released) == (0, 0, 0)
+    grace = dt.timedelta(seconds=ReaperConfig().deadline_grace_seconds)
+    config = ReaperConfig()
+    result = reaper_run_once(now=reserved_at + dt.timedelta(seconds=25) + grace, config=config)
+    assert (result.lost, result.timed_out, result.released) == (0, 2, 0)
+    states = [Attempt.objects.get(id=a.id).state for a in attempts]
+    assert states == [AttemptState.TIMED_OUT] * 2 + [AttemptState.RUNNING]
+
+
+def test_a_lost_packs_first_is_its_first_unrecorded_attempt_even_with_a_longer_lease(queued_run):
+    """Pack-mates of different jobs may have different heartbeat timeouts: the later ones'
+    leases lapse first, and are released; the first, once its lease lapses too, is charged."""
+    runs, attempts, now = _reserve_pack(queued_run, 3)
+    Attempt.objects.filter(id=attempts[0].id).update(lease_expires_at=now + dt.timedelta(hours=1))
+
+    first = reaper_run_once(now=now, config=ReaperConfig())
+    assert (first.lost, first.released) == (0, 2)
+    assert [_budget_used(run) for run in runs] == [1, 0, 0]  # the first is still running
+    assert Attempt.objects.get(id=attempts[0].id).state == AttemptState.RUNNING
+
+    later_pass = reaper_run_once(now=now + dt.timedelta(hours=2), config=ReaperConfig())
+    # Charged (lost, or timed out: two hours on, it is past its deadline too).
+    assert (later_pass.lost + later_pass.timed_out, later_pass.released) == (1, 0)
+    assert [_budget_used(run) for run in runs] == [1, 0, 0]
+    assert Attempt.objects.get(id=attempts[0].id).state != AttemptState.RUNNING

@@ -609,8 +609,8 @@ def test_a_packed_run_past_its_time_limit_times_out_alone(queued_run):
 
 
 def test_a_packs_runs_are_reserved_together_and_each_starts_at_its_turn(queued_run):
-    """One statement reserves the pack's first attempts: `running`, leased, no start and no
-    deadline; each records its own start with its outcome."""
+    """One statement reserves the pack's first attempts: `running`, leased, no start; each
+    records its own start with its outcome."""
     from dispatch.runtime import run_execute_deliveries
 
     runs = [queued_run(timeout_seconds=60) for _ in range(3)]
@@ -619,7 +619,7 @@ def test_a_packs_runs_are_reserved_together_and_each_starts_at_its_turn(queued_r
     def handler(ctx, *args, **kwargs):
         # While the first runs, the others are reserved and not started.
         attempts = Attempt.objects.filter(run_id__in=[run.id for run in runs]).order_by("id")
-        seen[ctx.run_id] = [(a.state, a.started_at is None, a.deadline_at) for a in attempts]
+        seen[ctx.run_id] = [(a.state, a.started_at is None) for a in attempts]
         return "ok"
 
     summary = run_execute_deliveries(
@@ -628,7 +628,7 @@ def test_a_packs_runs_are_reserved_together_and_each_starts_at_its_turn(queued_r
 
     assert [item["outcome"] for item in summary["runs"]] == [RunState.SUCCEEDED] * 3
     first = seen[str(runs[0].id)]
-    assert first == [(AttemptState.RUNNING, True, None)] * 3, first
+    assert first == [(AttemptState.RUNNING, True)] * 3, first
     for run in runs:
         run.refresh_from_db()
         attempt = run.attempts.get()

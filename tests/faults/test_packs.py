@@ -5,13 +5,12 @@ beyond the one run that may have been running, and only that run is charged."""
 import pytest
 
 from jobs.models import Attempt, AttemptState, FailureReason, Run, RunState
+from jobs.transitions import RELEASED_ERROR as RELEASED
 from tests.factories import one_time_job
 from tests.faults.invariants import invariant_violations
 from tests.processes import wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.faults]
-
-RELEASED = "not started"  # in a released attempt's error
 
 
 def _charged(run) -> list[Attempt]:
