@@ -27,9 +27,11 @@ def test_a_worker_killed_mid_pack_loses_nothing_and_charges_one_run_per_kill(sta
                      retry={"max_attempts": 2, "initial_delay_seconds": 0, "jitter": False})
         for _ in range(20)
     ]  # fmt: skip
-    # Kill the worker while the first pack is half done.
-    wait_for(lambda: sum(e["event"] == "executed" for e in stack.executions()) >= 4,
-             timeout=60, message="the first pack to be under way")  # fmt: skip
+    # Kill the worker while a pack is under way with reserved runs still waiting their turn.
+    waiting = Attempt.objects.filter(state=AttemptState.RUNNING, started_at__isnull=True)
+    wait_for(lambda: any(e["event"] == "executed" for e in stack.executions())
+             and waiting.count() >= 4,
+             timeout=60, message="a pack under way with reserved runs waiting")  # fmt: skip
     stack.kill("worker")
     stack.restart("worker")
 
