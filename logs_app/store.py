@@ -16,7 +16,7 @@ import logging
 from django.conf import settings
 from django.core.files.base import ContentFile
 from django.core.files.storage import storages
-from django.db import transaction
+from django.db import connection, transaction
 
 from jobs.models import Attempt, AttemptState
 from jobs.redaction import redact
@@ -190,7 +190,7 @@ def logs_seal_many(sealed: list[tuple[Attempt, dict]], *, now) -> None:
         [_row(attempt, item, now) for attempt, logs in sealed for item in logs["placed"]],
         ignore_conflicts=True,
     )
-    manifests = []
+    manifests: list[LogManifest] = []
     for attempt, logs in sealed:
         if logs["shipped"]:
             rows = list(
@@ -213,7 +213,37 @@ def logs_seal_many(sealed: list[tuple[Attempt, dict]], *, now) -> None:
                 created_at=now,
             )
         )
-    LogManifest.objects.bulk_create(manifests)
+    _manifests_insert(manifests)
+
+
+def _manifests_insert(manifests: list[LogManifest]) -> None:
+    """One INSERT of the rows as one JSON document on PostgreSQL (no model machinery on the
+    worker's hot path; `created_at` an expression such as Now() is the statement's time)."""
+    if not manifests:
+        return
+    if connection.vendor != "postgresql":
+        LogManifest.objects.bulk_create(manifests)
+        return
+    fields = ("chunk_count", "line_count", "byte_count", "sha256", "dropped_lines")
+    rows = [
+        {"attempt_id": m.attempt_id, **{field: getattr(m, field) for field in fields},
+         "created_at": m.created_at.isoformat() if isinstance(m.created_at, dt.datetime)
+         else None}
+        for m in manifests
+    ]  # fmt: skip
+    with connection.cursor() as cursor:
+        cursor.execute(
+            f"""
+            INSERT INTO {LogManifest._meta.db_table}
+                   (attempt_id, {", ".join(fields)}, created_at)
+            SELECT attempt_id, {", ".join(fields)}, COALESCE(created_at, STATEMENT_TIMESTAMP())
+              FROM jsonb_to_recordset(%s::jsonb) AS m(
+                   attempt_id bigint, chunk_count integer, line_count integer,
+                   byte_count bigint, sha256 text, dropped_lines integer,
+                   created_at timestamptz)
+            """,
+            [json.dumps(rows)],
+        )
 
 
 def chunk_lines(chunk: LogChunk) -> list[dict]:
