@@ -93,15 +93,17 @@ def reaper_run_once(*, now: dt.datetime, config: ReaperConfig) -> ReaperResult:
         .order_by("lease_expires_at")[: config.batch_size]
     )
     released: set[int] = set()
+    unstarted: set[int] = set()  # a lost pack's reserved attempts this pass releases
     for attempt in attempts:
-        if attempt.id in released:
-            continue
+        if attempt.id in unstarted:
+            continue  # released, or its release waited on a lock: next pass, never charged
         if attempt.started_at is None:
             # Reserved with its pack: only the first of the pack's expired ones may have
             # been running when its worker was lost; the others never started.
-            unstarted = _pack_mates_unstarted(attempt, now=now)
-            released |= _release(unstarted, now=now, config=config)
-            if attempt.id in released:
+            mates = _pack_mates_unstarted(attempt, now=now)
+            unstarted |= {mate.id for mate in mates}
+            released |= _release(mates, now=now, config=config)
+            if attempt.id in unstarted:
                 continue
         # Past its deadline the attempt timed out, whether or not its worker still lives.
         ended = (
@@ -177,7 +179,7 @@ def _pack_mates_unstarted(attempt: Attempt, *, now: dt.datetime) -> list[Attempt
     earlier_ended = Attempt.objects.filter(
         claim_id=attempt.claim_id,
         started_at__isnull=True,
-        state=AttemptState.LOST,
+        state__in=[AttemptState.LOST, AttemptState.TIMED_OUT],
         id__lt=mates[0].id,
     ).exists()
     return [mate for mate in (mates if earlier_ended else mates[1:]) if mate.lease_expires_at < now]

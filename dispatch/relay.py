@@ -45,12 +45,9 @@ from .config import config_require
 from .failpoints import failpoint
 from .loop import BROKER_ERRORS
 from .packing import outbox_packs, pack_time_limit
-from .runtime import COMPLETION_RETRY_SECONDS
+from .runtime import HARD_TIME_LIMIT_GRACE, PACK_RUN_GRACE_SECONDS
 
 log = logging.getLogger("dispatch.relay")
-# Seconds between Celery's soft time limit (the handler gets SoftTimeLimitExceeded) and its
-# hard one (the pool process is killed; the reaper then records the attempt timed out).
-HARD_TIME_LIMIT_GRACE = 15
 # Placeholders of the exact length of what replaces them (a UUID's 36 characters; an
 # ISO 8601 UTC instant with microseconds, 32), so every length encoded around them holds.
 TASK_ID_MARK = "ffffffff-ffff-4fff-bfff-fffffffffff1"
@@ -147,7 +144,7 @@ def packed_task_message(pack: list[PendingMessage], *, published_at: str):
         time_limit=pack_time_limit(
             first.timeout_seconds,
             len(pack),
-            HARD_TIME_LIMIT_GRACE + int(2 * COMPLETION_RETRY_SECONDS),
+            PACK_RUN_GRACE_SECONDS,
         ),
     )
 

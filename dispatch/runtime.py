@@ -34,7 +34,6 @@ from jobs.services import (
     run_record_duplicate_delivery,
 )
 from jobs.transitions import (
-    attempt_record_start,
     attempts_renew_leases,
     attempts_still_running,
     attempts_succeed,
@@ -50,6 +49,9 @@ T = TypeVar("T")
 log = logging.getLogger("dispatch.runtime")
 # How long a finished attempt keeps trying to record its outcome while the database is down.
 COMPLETION_RETRY_SECONDS = 60.0
+# Seconds between Celery's soft time limit (the handler gets SoftTimeLimitExceeded) and its
+# hard one (the pool process is killed; the reaper then records the attempt timed out).
+HARD_TIME_LIMIT_GRACE = 15
 MAX_RESULT_BYTES = 64 * 1024
 # A packed run's success waits at most this long for the others' to be recorded with it.
 SUCCESS_BATCH_SECONDS = 0.05
@@ -393,7 +395,6 @@ def _failure_writer(*, run: Run, attempt: Attempt, exc: BaseException, worker: s
                 retryable=not isinstance(exc, NonRetryableError),
             )
             if outcome is not None:
-                attempt_record_start(attempt=attempt)  # a reserved attempt's, once it won
                 logs_seal(attempt=attempt, now=now, **logs)
         if (
             outcome is None
@@ -715,15 +716,15 @@ def run_execute_deliveries(
     summaries: list[dict] = []
     try:
         for index, run_id in enumerate(order):
+            if run_id not in pack.by_run and not _written_before_claim(successes):
+                pack.release(order[index:])
+                remaining = [other for other in order[index:] if other not in pack.by_run]
+                return {"outcome": "claim_failed", "remaining": remaining, "runs": summaries}
             try:
                 if run_id in pack.by_run:
                     summary = pack.run(run_id, handler=handler, worker=worker,
                                        time_limit=time_limit, successes=successes)  # fmt: skip
                 else:
-                    # The successes before it are written first: a run claimed at its turn
-                    # may be a retry of one that kills its process, and must not take the
-                    # recorded outcomes of its pack-mates with it.
-                    successes.write()
                     summary = run_execute_delivery(
                         run_id=run_id, handler=handler, worker=worker, message_id=message_id,
                         published_at=published_at, time_limit=time_limit, successes=successes,
@@ -743,6 +744,10 @@ def run_execute_deliveries(
     finally:
         try:
             successes.write()
+        except DatabaseError:
+            # The database stayed away past the retries: the successes' leases lapse and
+            # the reaper retries them; this does not replace what ends the pack.
+            log.error("could not record the successes of a pack; their leases will lapse")
         finally:
             LEASE_KEEPER.unwatch(successes)
     for summary in summaries:
@@ -751,6 +756,18 @@ def run_execute_deliveries(
     position = {run_id: index for index, run_id in enumerate(run_ids)}
     summaries.sort(key=lambda summary: position.get(summary["run_id"], 0))  # as delivered
     return {"outcome": "done", "runs": summaries}
+
+
+def _written_before_claim(successes: Successes) -> bool:
+    """Write the pack's pending successes before a run is claimed at its turn: it may be a
+    retry of one that kills its process, and must not take its pack-mates' outcomes with
+    it. False when the database stayed away (the caller delivers the rest again)."""
+    try:
+        successes.write()
+    except DatabaseError:
+        log.error("could not record a pack's successes before a claim: the database is away")
+        return False
+    return True
 
 
 def _reserve(
@@ -768,7 +785,8 @@ def _reserve(
             if mine:
                 return mine
         return runs_reserve(run_ids=run_ids, worker=worker, claim_id=claim_id,
-                            published_at=published_at, task_id=task_id)  # fmt: skip
+                            published_at=published_at, task_id=task_id,
+                            grace_seconds=PACK_RUN_GRACE_SECONDS)  # fmt: skip
 
     return _with_database_retries(reserve)
 
@@ -784,6 +802,10 @@ def _adopt_reserved(claim_id: uuid.UUID) -> list[Attempt]:
     return attempts
 
 
+# The room a packed message's hard limit gives each run beyond its own limit (its grace,
+# and the claim's and the outcome's retries through an outage; dispatch.relay): a reserved
+# run's deadline leaves it to every run before it.
+PACK_RUN_GRACE_SECONDS = HARD_TIME_LIMIT_GRACE + int(2 * COMPLETION_RETRY_SECONDS)
 # A reserved run is looked at again before it starts unless its pack looked this recently.
 RESERVED_CHECK_SECONDS = 0.02
 
@@ -846,6 +868,8 @@ class Pack:
                             time_limit=time_limit, successes=successes)  # fmt: skip
         except BaseException:
             LEASE_KEEPER.release(lease)
+            if attempt.started_at is None:  # it failed before its start: never ran
+                self.release([run_id])
             raise
 
     def release(self, run_ids: list[str]) -> None:

@@ -14,8 +14,8 @@ import uuid
 from collections.abc import Iterable
 
 from django.db import connection, transaction
-from django.db.models import Exists, F, Q
-from django.db.models.functions import Now
+from django.db.models import DateTimeField, Exists, F, Q, Value
+from django.db.models.functions import Coalesce, Now
 
 from .clock import db_now
 from .models import (
@@ -409,11 +409,13 @@ def runs_reserve(
     claim_id: uuid.UUID,
     published_at: dt.datetime | None = None,
     task_id: str = "",
+    grace_seconds: float = 0.0,
 ) -> list[Attempt]:
     """queued -> running for the first attempts of a packed message's runs, in one
     statement: each run gets its own attempt, token and lease, but no start yet
     (`started_at` None: reserved), and as deadline the latest instant it can end (every run
-    before it in the pack, and itself, each at its limit). The worker starts them one after
+    before it in the pack at its limit plus `grace_seconds`, the room a pack's hard limit
+    gives each run, and itself at its limit). The worker starts them one after
     another and records each start with its outcome; when a pack's worker is lost, the
     reaper charges only the first unrecorded one and releases the others (`attempt_release`).
 
@@ -455,9 +457,12 @@ def runs_reserve(
         ),
         bounded AS (
             -- The latest a reserved run can end: after every run before it in the pack
-            -- ran to its own limit, and it to its own; none when one of them has no limit.
+            -- ran to its own limit and grace, and it to its own limit; none when one of
+            -- them has no limit.
             SELECT claimed.*, CASE WHEN bool_and(timeout IS NOT NULL) OVER upto
-                   THEN now + make_interval(secs => sum(timeout) OVER upto) END AS deadline_at
+                   THEN now + make_interval(
+                       secs => sum(timeout + %(grace)s) OVER upto - %(grace)s
+                   ) END AS deadline_at
               FROM claimed
             WINDOW upto AS (ORDER BY position ROWS UNBOUNDED PRECEDING)
         ),
@@ -482,6 +487,7 @@ def runs_reserve(
         "running": RunState.RUNNING,
         "attempt_running": AttemptState.RUNNING,
         "from_states": sorted(RUN_TRANSITIONS[RunState.RUNNING]),
+        "grace": float(grace_seconds),
     }
     with connection.cursor() as cursor:
         cursor.execute(sql, params)
@@ -527,17 +533,12 @@ def attempt_release(
     )
 
 
-def attempt_record_start(*, attempt: Attempt) -> None:
-    """A reserved attempt's start, written with its outcome (in the caller's transaction):
-    the attempt's and, for its first start, the run's. Nothing for a claimed attempt."""
-    if getattr(attempt, "reserved_at", None) is None or attempt.started_at is None:
-        return
-    Attempt.objects.filter(id=attempt.id, started_at__isnull=True).update(
-        started_at=attempt.started_at
-    )
-    Run.objects.filter(id=attempt.run_id, started_at__isnull=True).update(
-        started_at=attempt.started_at
-    )
+def _reserved_start(attempt: Attempt) -> dt.datetime | None:
+    """A reserved attempt's start as its worker saw it (None: a claimed attempt, whose
+    start the claim wrote, or one that never started)."""
+    if getattr(attempt, "reserved_at", None) is None:
+        return None
+    return attempt.started_at
 
 
 def attempts_renew_leases(
@@ -616,6 +617,12 @@ def _finish(
     current_run = Run.objects.filter(
         id=attempt.run_id, state=RunState.RUNNING, fencing_token=attempt.fencing_token
     )
+    started = _reserved_start(attempt)
+    attempt_fields = {"state": attempt_to, "finished_at": now, "error": error}
+    if started is not None:  # a reserved attempt's start, written with its outcome
+        value = Value(started, output_field=DateTimeField())
+        attempt_fields["started_at"] = Coalesce(F("started_at"), value)
+        run_fields["started_at"] = Coalesce(F("started_at"), value)
     with transaction.atomic(savepoint=False):
         rows = Attempt.objects.filter(
             Exists(current_run),
@@ -625,7 +632,7 @@ def _finish(
         )
         if only_if is not None:
             rows = rows.filter(only_if)
-        if not rows.update(state=attempt_to, finished_at=now, error=error):
+        if not rows.update(**attempt_fields):
             return False
         if not _move_runs(
             [attempt.run_id],

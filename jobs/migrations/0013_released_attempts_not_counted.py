@@ -4,8 +4,10 @@ they never ran. Only PostgreSQL reserves attempts."""
 
 from django.db import migrations
 
-# Its error says so (jobs.transitions.RELEASED_ERROR), and it has no start.
-RELEASED = "NEW.started_at IS NULL AND strpos(NEW.error, 'not started') > 0"
+# Lost, with no start, and its error ends with jobs.transitions.RELEASED_ERROR.
+RELEASED = (
+    "NEW.state = 'lost' AND NEW.started_at IS NULL AND right(NEW.error, 13) = '; not started'"
+)
 TRIGGER = """
 DROP TRIGGER attempt_measure_finish ON jobs_attempt;
 CREATE TRIGGER attempt_measure_finish AFTER UPDATE OF state ON jobs_attempt FOR EACH ROW

@@ -395,17 +395,20 @@ def test_a_reserved_attempts_deadline_is_the_latest_it_can_end(queued_run):
     from jobs.transitions import runs_reserve
 
     runs = [queued_run(timeout_seconds=10, retry={"max_attempts": 1}) for _ in range(3)]
-    attempts = runs_reserve(run_ids=[run.id for run in runs], worker="w", claim_id=uuid.uuid4())
+    attempts = runs_reserve(
+        run_ids=[run.id for run in runs], worker="w", claim_id=uuid.uuid4(), grace_seconds=5
+    )
     reserved_at = attempts[0].reserved_at
     deadlines = [Attempt.objects.get(id=a.id).deadline_at - reserved_at for a in attempts]
-    assert deadlines == [dt.timedelta(seconds=10 * (index + 1)) for index in range(3)]
+    # Each run before it at its limit and grace (10 + 5 s), then its own limit.
+    assert deadlines == [dt.timedelta(seconds=seconds) for seconds in (10, 25, 40)]
     # Leases renewed far ahead: only the deadline can end them.
     Attempt.objects.filter(id__in=[a.id for a in attempts]).update(
         lease_expires_at=db_now() + dt.timedelta(hours=1)
     )
     grace = dt.timedelta(seconds=ReaperConfig().deadline_grace_seconds)
     config = ReaperConfig()
-    result = reaper_run_once(now=reserved_at + dt.timedelta(seconds=25) + grace, config=config)
+    result = reaper_run_once(now=reserved_at + dt.timedelta(seconds=26) + grace, config=config)
     assert (result.lost, result.timed_out, result.released) == (0, 2, 0)
     states = [Attempt.objects.get(id=a.id).state for a in attempts]
     assert states == [AttemptState.TIMED_OUT] * 2 + [AttemptState.RUNNING]

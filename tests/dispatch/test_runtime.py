@@ -850,3 +850,55 @@ def test_a_reserved_run_cancelled_just_before_its_turn_is_cancelled_as_a_running
     waiting.refresh_from_db()
     assert (waiting.state, waiting.result) == (RunState.CANCELLED, None)
     assert Attempt.objects.get(run_id=waiting.id).state == AttemptState.CANCELLED
+
+
+def test_a_reserved_runs_failure_records_its_start_with_the_outcome(queued_run):
+    from dispatch.runtime import run_execute_deliveries
+
+    first, second = queued_run(retry={"max_attempts": 1}), queued_run()
+
+    def handler(ctx, *args, **kwargs):
+        if ctx.run_id == str(first.id):
+            raise ValueError("boom")
+
+    run_execute_deliveries(
+        run_ids=[str(first.id), str(second.id)], handler=handler, worker="w", message_id="m"
+    )
+    first.refresh_from_db()
+    attempt = first.attempts.get()
+    assert (first.state, attempt.state) == (RunState.FAILED, AttemptState.FAILED)
+    assert attempt.started_at is not None and first.started_at == attempt.started_at
+    assert attempt.started_at <= attempt.finished_at
+
+
+def test_a_run_claimed_at_its_turn_after_a_failed_success_write_is_delivered_again(
+    queued_run, monkeypatch
+):
+    """The pack's successes are written before a run is claimed at its turn; when the
+    database refuses that write, the run and the ones after it are delivered again."""
+    from django.db import OperationalError
+
+    import dispatch.runtime
+    from dispatch.runtime import run_execute_deliveries
+
+    fresh, retry = queued_run(), queued_run()
+    Run.objects.filter(id=retry.id).update(attempt_count=1, fencing_token=1)
+    real_write = dispatch.runtime.Successes.write
+    calls = []
+
+    def away_before_the_claim(self, *, retry: bool = True):
+        calls.append(1)
+        if len(calls) == 1:
+            raise OperationalError("connection refused")
+        return real_write(self, retry=retry)
+
+    monkeypatch.setattr(dispatch.runtime.Successes, "write", away_before_the_claim)
+
+    summary = run_execute_deliveries(
+        run_ids=[str(fresh.id), str(retry.id)], handler=lambda ctx: None, worker="w",
+        message_id="m",
+    )  # fmt: skip
+
+    assert (summary["outcome"], summary["remaining"]) == ("claim_failed", [str(retry.id)])
+    assert Run.objects.get(id=retry.id).state == RunState.QUEUED
+    assert Run.objects.get(id=fresh.id).state == RunState.SUCCEEDED  # written at the end
