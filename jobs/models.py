@@ -128,7 +128,8 @@ class JobVersion(models.Model):
 
 class Run(models.Model):
     id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
-    job = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="runs")
+    # No index of its own: run_job_idx (job_id, scheduled_for) serves every lookup by job.
+    job = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="runs", db_index=False)
     job_version = models.ForeignKey(JobVersion, on_delete=models.PROTECT, related_name="runs")
     kind = models.CharField(max_length=16, choices=RunKind.choices, default=RunKind.SCHEDULED)
     state = models.CharField(max_length=16, choices=RunState.choices)
@@ -194,7 +195,8 @@ class Run(models.Model):
 
 
 class Attempt(models.Model):
-    run = models.ForeignKey(Run, on_delete=models.CASCADE, related_name="attempts")
+    # No index of its own: attempt_number_unique (run_id, number) serves every lookup by run.
+    run = models.ForeignKey(Run, on_delete=models.CASCADE, related_name="attempts", db_index=False)
     number = models.PositiveIntegerField()
     fencing_token = models.PositiveIntegerField()
     state = models.CharField(max_length=16, choices=AttemptState.choices)

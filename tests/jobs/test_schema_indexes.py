@@ -1,0 +1,23 @@
+"""The indexes the migrations leave on the hot tables: the constraints every guarantee
+rests on are there, and the indexes no query needs are not (each costs every run version)."""
+
+import pytest
+from django.db import connection
+
+pytestmark = pytest.mark.skipif(connection.vendor != "postgresql", reason="PostgreSQL's catalog")
+
+
+def _indexes(table: str) -> set[str]:
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT indexname FROM pg_indexes WHERE tablename = %s", [table])
+        return {row[0] for row in cursor.fetchall()}
+
+
+@pytest.mark.django_db
+def test_the_guarantees_indexes_stay_and_the_unneeded_ones_are_gone():
+    runs, attempts = _indexes("jobs_run"), _indexes("jobs_attempt")
+    assert {"jobs_run_idempotency_key_key", "run_one_per_occurrence",
+            "run_one_backfill_per_occurrence", "run_job_idx"} <= runs  # fmt: skip
+    assert {"attempt_one_running", "attempt_number_unique", "attempt_token_unique"} <= attempts
+    assert not {"jobs_run_idempotency_key_7ea90ab1_like", "jobs_run_job_id_f26ec71d"} & runs
+    assert "jobs_attempt_run_id_c006c626" not in attempts
