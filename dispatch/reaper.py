@@ -23,7 +23,7 @@ from jobs.services import attempt_record_failure, attempt_release_unstarted
 from jobs.transitions import attempt_abandon
 
 from .config import config_require
-from .relay import HARD_TIME_LIMIT_GRACE
+from .runtime import HARD_TIME_LIMIT_GRACE
 
 log = logging.getLogger("dispatch.reaper")
 

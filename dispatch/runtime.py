@@ -326,25 +326,38 @@ def _claim(
     bounded time. None: not claimable (a duplicate delivery, a cancelled or unknown run).
 
     A retry after an ambiguous commit adopts the attempt the first try may have made."""
-    claim_id = uuid.uuid4()
-    tries = []
 
-    def claim() -> Attempt | None:
-        tries.append(1)
-        if len(tries) > 1:
-            mine = (
-                Attempt.objects.select_related("run__job_version")
-                .filter(run_id=run_id, claim_id=claim_id, state=AttemptState.RUNNING)
-                .first()
-            )
-            if mine is not None:
-                return mine
+    def adopt(claim_id: uuid.UUID) -> Attempt | None:
+        return (
+            Attempt.objects.select_related("run__job_version")
+            .filter(run_id=run_id, claim_id=claim_id, state=AttemptState.RUNNING)
+            .first()
+        )
+
+    def claim(claim_id: uuid.UUID) -> Attempt | None:
         return run_claim(
             run_id=run_id, worker=worker, claim_id=claim_id, published_at=published_at,
             task_id=task_id,
         )  # fmt: skip
 
-    return _with_database_retries(claim)
+    return _adopting(claim, adopt)
+
+
+def _adopting(claim: Callable[[uuid.UUID], T], adopt: Callable[[uuid.UUID], T]) -> T:
+    """`claim(claim_id)` retried through a database outage for a bounded time (the claim's
+    id is one for all tries); a retry after an ambiguous commit first adopts what the
+    first try may have made (`adopt(claim_id)`, falsy when it made nothing)."""
+    claim_id = uuid.uuid4()
+    tries = 0
+
+    def attempt() -> T:
+        nonlocal tries
+        tries += 1
+        if tries > 1 and (mine := adopt(claim_id)):
+            return mine
+        return claim(claim_id)
+
+    return _with_database_retries(attempt)
 
 
 def _published_at(value: str | None) -> dt.datetime | None:
@@ -695,7 +708,8 @@ def run_execute_deliveries(
     (from its cause) with the unreserved runs not reached."""
     try:
         # Only where the worker enforces each run's time limit itself (SIGALRM, in a pool
-        # process's main thread): a reserved attempt has no deadline for the reaper.
+        # process's main thread): a reserved attempt's deadline is only the latest its pack
+        # lets it end, too loose to be its limit.
         reserved = (
             _reserve(
                 run_ids=run_ids,
@@ -717,8 +731,7 @@ def run_execute_deliveries(
     try:
         for index, run_id in enumerate(order):
             if run_id not in pack.by_run and not _written_before_claim(successes):
-                pack.release(order[index:])
-                remaining = [other for other in order[index:] if other not in pack.by_run]
+                remaining = pack.hand_back(order[index:])
                 return {"outcome": "claim_failed", "remaining": remaining, "runs": summaries}
             try:
                 if run_id in pack.by_run:
@@ -731,14 +744,12 @@ def run_execute_deliveries(
                     )  # fmt: skip
             except BaseException as exc:  # noqa: BLE001 - the rest of the pack must not be lost
                 # This run's own attempt, if claimed, is recorded or left to its lease.
-                pack.release(order[index + 1 :])
-                remaining = [other for other in order[index + 1 :] if other not in pack.by_run]
+                remaining = pack.hand_back(order[index + 1 :])
                 if not remaining:
                     raise
                 raise PackInterrupted(remaining) from exc
             if summary["outcome"] == "claim_failed":
-                pack.release(order[index:])
-                remaining = [other for other in order[index:] if other not in pack.by_run]
+                remaining = pack.hand_back(order[index:])
                 return {"outcome": "claim_failed", "remaining": remaining, "runs": summaries}
             summaries.append(summary)
     finally:
@@ -775,20 +786,13 @@ def _reserve(
 ) -> list[Attempt]:
     """`runs_reserve`, retrying through a database outage for a bounded time; a retry
     after an ambiguous commit adopts the attempts the first try may have made."""
-    claim_id = uuid.uuid4()
-    tries = []
 
-    def reserve() -> list[Attempt]:
-        tries.append(1)
-        if len(tries) > 1:
-            mine = _adopt_reserved(claim_id)
-            if mine:
-                return mine
+    def reserve(claim_id: uuid.UUID) -> list[Attempt]:
         return runs_reserve(run_ids=run_ids, worker=worker, claim_id=claim_id,
                             published_at=published_at, task_id=task_id,
                             grace_seconds=PACK_RUN_GRACE_SECONDS)  # fmt: skip
 
-    return _with_database_retries(reserve)
+    return _adopting(reserve, _adopt_reserved)
 
 
 def _adopt_reserved(claim_id: uuid.UUID) -> list[Attempt]:
@@ -871,6 +875,12 @@ class Pack:
             if attempt.started_at is None:  # it failed before its start: never ran
                 self.release([run_id])
             raise
+
+    def hand_back(self, run_ids: list[str]) -> list[str]:
+        """The runs of `run_ids` not started here: the reserved ones are released, the
+        others returned, to be delivered again."""
+        self.release(run_ids)
+        return [run_id for run_id in run_ids if run_id not in self.by_run]
 
     def release(self, run_ids: list[str]) -> None:
         """The reserved runs among `run_ids` never start here: their attempts end unstarted

@@ -60,13 +60,13 @@ class SchedulerResult:
 
 
 def scheduler_run_once(*, now: dt.datetime, config: SchedulerConfig) -> SchedulerResult:
-    began = time.monotonic()
+    marks = [time.monotonic()]  # when each step ended, after when the pass began
     materialized = materializer_run_once(
         now=now, config=MaterializerConfig(batch_size=config.batch_size)
     )
-    took = {"materializer": time.monotonic() - began}
+    marks.append(time.monotonic())
     promoted = promoter_run_once(now=now, config=PromoterConfig(batch_size=config.batch_size))
-    took["promoter"] = time.monotonic() - began - took["materializer"]
+    marks.append(time.monotonic())
     # Completion can wait for a backlog of due work: its query looks at every job whose
     # schedule is over, which a burst of one-time jobs makes thousands while their runs are
     # active, and no run starts sooner for it.
@@ -76,11 +76,12 @@ def scheduler_run_once(*, now: dt.datetime, config: SchedulerConfig) -> Schedule
         if backlog
         else completer_run_once(now=now, config=CompleterConfig(batch_size=config.batch_size))
     )
-    took["completer"] = time.monotonic() - began - took["materializer"] - took["promoter"]
-    if sum(took.values()) > SLOW_PASS_SECONDS:
+    marks.append(time.monotonic())
+    if marks[-1] - marks[0] > SLOW_PASS_SECONDS:
+        steps = zip(("materializer", "promoter", "completer"), marks, marks[1:], strict=False)
         log.warning(
             "slow scheduler pass (%s): %d runs created",
-            ", ".join(f"{name} {seconds:.2f}s" for name, seconds in took.items()),
+            ", ".join(f"{name} {end - start:.2f}s" for name, start, end in steps),
             materialized.runs_created,
         )
     return SchedulerResult(

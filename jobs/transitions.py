@@ -314,6 +314,13 @@ _CLAIMED_COLUMNS = (
     "id, job_id, job_version_id, kind, scheduled_for, idempotency_key, fencing_token,"
     " attempt_count, retry_base"
 )
+# What a claim's (or a reservation's) run update returns of the run, aliased `r`.
+_CLAIMED_RETURNING = ", ".join(f"r.{column.strip()}" for column in _CLAIMED_COLUMNS.split(","))
+# The columns a claim's (or a reservation's) attempt insert writes.
+_ATTEMPT_INSERT_COLUMNS = (
+    "run_id, number, fencing_token, state, worker, claim_id, lease_expires_at, deadline_at,"
+    " heartbeat_at, started_at, error, task_id"
+)
 
 
 def _claim_postgresql(params: dict) -> dict | None:
@@ -330,7 +337,7 @@ def _claim_postgresql(params: dict) -> dict | None:
                    published_at = COALESCE(r.published_at, %(published_at)s::timestamptz)
               FROM clock
              WHERE r.id = %(run_id)s AND r.state = ANY(%(from_states)s)
-         RETURNING {", ".join(f"r.{c.strip()}" for c in _CLAIMED_COLUMNS.split(","))}, clock.now
+         RETURNING {_CLAIMED_RETURNING}, clock.now
         ),
         timed AS (
             SELECT claimed.*, v.spec,
@@ -343,9 +350,7 @@ def _claim_postgresql(params: dict) -> dict | None:
               FROM claimed JOIN {version} AS v ON v.id = claimed.job_version_id
         ),
         attempt AS (
-            INSERT INTO {attempt} (run_id, number, fencing_token, state, worker, claim_id,
-                                   lease_expires_at, deadline_at, heartbeat_at, started_at, error,
-                                   task_id)
+            INSERT INTO {attempt} ({_ATTEMPT_INSERT_COLUMNS})
             SELECT id, attempt_count, fencing_token, %(attempt_running)s, %(worker)s,
                    %(claim_id)s, lease_expires_at, deadline_at, now, now, '', %(task_id)s
               FROM timed
@@ -448,7 +453,7 @@ def runs_reserve(
                AND r.state = ANY(%(from_states)s) AND r.attempt_count = 0
                AND v.id = r.job_version_id
                AND COALESCE(v.spec->>'delivery', '') <> 'at_most_once'
-         RETURNING {", ".join(f"r.{c.strip()}" for c in _CLAIMED_COLUMNS.split(","))},
+         RETURNING {_CLAIMED_RETURNING},
                    clock.now, pack.position, v.spec,
                    clock.now + make_interval(
                        secs => (v.spec->>'heartbeat_timeout_seconds')::float8
@@ -467,9 +472,7 @@ def runs_reserve(
             WINDOW upto AS (ORDER BY position ROWS UNBOUNDED PRECEDING)
         ),
         attempt AS (
-            INSERT INTO {attempt} (run_id, number, fencing_token, state, worker, claim_id,
-                                   lease_expires_at, deadline_at, heartbeat_at, started_at, error,
-                                   task_id)
+            INSERT INTO {attempt} ({_ATTEMPT_INSERT_COLUMNS})
             SELECT id, attempt_count, fencing_token, %(attempt_running)s, %(worker)s,
                    %(claim_id)s, lease_expires_at, deadline_at, now, NULL, '', %(task_id)s
               FROM bounded ORDER BY position
@@ -708,8 +711,8 @@ def attempts_succeed(*, outcomes: list[tuple[Attempt, object]]) -> set[int]:
                 "tokens": [a.fencing_token for a, _ in outcomes],
                 # None stays SQL NULL, as the ORM stores it.
                 "results": [None if r is None else json.dumps(r) for _, r in outcomes],
-                # A reserved attempt's start, seen by its worker (None: already written).
-                "started": [a.started_at for a, _ in outcomes],
+                # A reserved attempt's start, seen by its worker (None: a claimed one's).
+                "started": [_reserved_start(a) for a, _ in outcomes],
                 "succeeded": RunState.SUCCEEDED,
                 "running": RunState.RUNNING,
                 "attempt_succeeded": AttemptState.SUCCEEDED,

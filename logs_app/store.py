@@ -217,31 +217,27 @@ def logs_seal_many(sealed: list[tuple[Attempt, dict]], *, now) -> None:
 
 
 def _manifests_insert(manifests: list[LogManifest]) -> None:
-    """One INSERT of the rows as one JSON document on PostgreSQL (no model machinery on the
-    worker's hot path; `created_at` an expression such as Now() is the statement's time)."""
+    """One INSERT of the rows as one JSON document on PostgreSQL, as jobs.rows does (no
+    model machinery on the worker's hot path); a `created_at` given as an expression, such
+    as Now(), is the transaction's time."""
     if not manifests:
         return
     if connection.vendor != "postgresql":
         LogManifest.objects.bulk_create(manifests)
         return
-    fields = ("chunk_count", "line_count", "byte_count", "sha256", "dropped_lines")
+    fields = ("attempt_id", "chunk_count", "line_count", "byte_count", "sha256", "dropped_lines")
     rows = [
-        {"attempt_id": m.attempt_id, **{field: getattr(m, field) for field in fields},
+        {**{field: getattr(m, field) for field in fields},
          "created_at": m.created_at.isoformat() if isinstance(m.created_at, dt.datetime)
          else None}
         for m in manifests
     ]  # fmt: skip
+    table = LogManifest._meta.db_table
     with connection.cursor() as cursor:
         cursor.execute(
-            f"""
-            INSERT INTO {LogManifest._meta.db_table}
-                   (attempt_id, {", ".join(fields)}, created_at)
-            SELECT attempt_id, {", ".join(fields)}, COALESCE(created_at, STATEMENT_TIMESTAMP())
-              FROM jsonb_to_recordset(%s::jsonb) AS m(
-                   attempt_id bigint, chunk_count integer, line_count integer,
-                   byte_count bigint, sha256 text, dropped_lines integer,
-                   created_at timestamptz)
-            """,
+            f"INSERT INTO {table} ({', '.join(fields)}, created_at)"
+            f" SELECT {', '.join(fields)}, COALESCE(created_at, NOW())"
+            f" FROM jsonb_populate_recordset(NULL::{table}, %s::jsonb)",
             [json.dumps(rows)],
         )
 

@@ -190,3 +190,16 @@ def test_two_replicas_claim_disjoint_due_jobs(make_job):
         assert not thread.is_alive(), "the second replica waited on the first one's locks"
     assert other["result"].runs_created == 2
     assert not Run.objects.filter(job_id__in=held).exists()
+
+
+@pytest.mark.django_db
+def test_a_slow_pass_is_logged_with_the_time_of_each_step(monkeypatch, caplog):
+    import dispatch.scheduler
+    from dispatch.scheduler import SchedulerConfig, scheduler_run_once
+
+    monkeypatch.setattr(dispatch.scheduler, "SLOW_PASS_SECONDS", -1.0)
+    with caplog.at_level("WARNING", logger="dispatch.scheduler"):
+        scheduler_run_once(now=db_now(), config=SchedulerConfig())
+    (message,) = [r.getMessage() for r in caplog.records if "slow scheduler pass" in r.message]
+    assert all(f"{step} " in message for step in ("materializer", "promoter", "completer"))
+    assert message.endswith(": 0 runs created")
