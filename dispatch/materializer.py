@@ -16,14 +16,27 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
+import json
+import uuid
 
-from django.db import transaction
+from django.db import connection, transaction
 from django.db.models import F, Window
 from django.db.models.functions import RowNumber
 
 from jobs import keys
 from jobs.audit import audit_event
-from jobs.models import AuditEvent, Job, JobState, JobVersion, Run, RunKind, RunState
+from jobs.models import (
+    AuditEvent,
+    Job,
+    JobState,
+    JobVersion,
+    OutboxMessage,
+    OutboxState,
+    Run,
+    RunKind,
+    RunState,
+)
+from jobs.notify import CHANNEL_OUTBOX, notify
 from jobs.outbox import outbox_enqueue_runs
 from jobs.policies import misfire_plan, overlap_decision, run_jitter
 from jobs.rows import rows_insert
@@ -42,9 +55,33 @@ OCCURRENCES_PER_JOB_PER_PASS = 100
 OVERLAP_RUNS_PER_JOB = 100
 
 
-# What a pass reads of a claimed job (decoding the others, labels above all, would cost
-# more than the pass's own work on them). Its spec is its current version's, read once.
-CLAIMED_JOB_FIELDS = ("state", "version", "next_run_at", "created_at", "resumed_at")
+@dataclasses.dataclass(slots=True)
+class DueJob:
+    """What a pass reads of a claimed job, its row locked until the pass commits: no model
+    instance (three of them a run were most of a pass's CPU). Its spec is its current
+    version's, read once."""
+
+    id: uuid.UUID
+    state: str
+    version_id: int
+    spec: dict
+    next_run_at: dt.datetime | None
+    created_at: dt.datetime
+    resumed_at: dt.datetime | None
+
+
+@dataclasses.dataclass(slots=True)
+class NewRun:
+    """A run this pass creates: the columns it sets; every other takes its default."""
+
+    id: uuid.UUID
+    job: DueJob
+    state: str
+    scheduled_for: dt.datetime
+    due_at: dt.datetime
+    idempotency_key: str
+    skip_reason: str = ""
+    finished_at: dt.datetime | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,7 +105,7 @@ def materializer_run_once(*, now: dt.datetime, config: MaterializerConfig) -> Ma
         return _materialize_due_jobs(now=now, limit=config.batch_size)
 
 
-def _due_occurrences(job: Job, now: dt.datetime) -> tuple[list[dt.datetime], dt.datetime | None]:
+def _due_occurrences(job: DueJob, now: dt.datetime) -> tuple[list[dt.datetime], dt.datetime | None]:
     """The job's occurrences due by `now` (at most OCCURRENCES_PER_JOB_PER_PASS), and its
     next_run_at after them. Raises ScheduleError."""
     due, at = [], job.next_run_at
@@ -78,8 +115,8 @@ def _due_occurrences(job: Job, now: dt.datetime) -> tuple[list[dt.datetime], dt.
     return due, at
 
 
-def _claim_due_jobs(*, now: dt.datetime, limit: int) -> list[JobVersion]:
-    """The current versions of up to `limit` due active jobs, each with its job (`.job`)
+def _claim_due_jobs(*, now: dt.datetime, limit: int) -> list[DueJob]:
+    """Up to `limit` due active jobs, each with its current version's spec, their rows
     locked: one statement. Its inner query claims the jobs' ids through `job_due_idx`
     (FOR UPDATE SKIP LOCKED); the outer one reads them with their versions, locking them
     again (already ours) so that it reads each job's latest row. Only ids are sorted, so
@@ -90,25 +127,25 @@ def _claim_due_jobs(*, now: dt.datetime, limit: int) -> list[JobVersion]:
         .select_for_update(skip_locked=True)
         .values("id")[:limit]
     )
-    versions = list(
-        JobVersion.objects.select_related("job")
-        .select_for_update(of=("job",))
-        .filter(job_id__in=due, version=F("job__version"))
-        .only("spec", *(f"job__{field}" for field in CLAIMED_JOB_FIELDS))
-    )
-    for version in versions:
-        version.job.spec = version.spec  # the job's spec is its current version's
-    return versions
+    rows = (
+        Job.objects.select_for_update(of=("self",))
+        .filter(id__in=due, versions__version=F("version"))
+        .order_by()
+        .values_list(
+            "id", "state", "versions__id", "versions__spec",
+            "next_run_at", "created_at", "resumed_at",
+        )
+    )  # fmt: skip
+    return [DueJob(*row) for row in rows]
 
 
 def _materialize_due_jobs(*, now: dt.datetime, limit: int) -> MaterializerResult:
-    versions = {version.job_id: version for version in _claim_due_jobs(now=now, limit=limit)}
-    if not versions:
+    claimed = _claim_due_jobs(now=now, limit=limit)
+    if not claimed:
         return MaterializerResult()
-    claimed = [version.job for version in versions.values()]
     # Every query a policy needs is one per batch, and only made when a job of the batch
-    # has the policy: a batch of one-time jobs without policies costs the claim, one read
-    # of existing occurrences and one write each of runs, outbox rows and next_run_at.
+    # has the policy: a batch of one-time jobs without policies costs the claim and one
+    # statement that writes the runs, their outbox rows and the jobs' next_run_at.
     paused = jobs_pause_if_failing(jobs=claimed, now=now)
     jobs = [job for job in claimed if job.id not in paused]
     audit, plans = [], {}
@@ -126,7 +163,7 @@ def _materialize_due_jobs(*, now: dt.datetime, limit: int) -> MaterializerResult
                 audit_event(action="job.schedule_error", job_id=job.id,
                             data={"error": str(exc), "after": job.next_run_at.isoformat()})
             )  # fmt: skip
-    existing = _existing_occurrences(plans)
+    existing = _existing_occurrences(plans, jobs)
     active = _overlap_runs(jobs)
     runs = []
     for job in jobs:
@@ -137,30 +174,32 @@ def _materialize_due_jobs(*, now: dt.datetime, limit: int) -> MaterializerResult
         for at in due:
             if (job.id, at) in existing:
                 continue
-            run = _new_run(job, versions[job.id], at, now)
+            run = _new_run(job, at, now)
             reason = skips.get(at) or _apply_overlap(job, run, active.setdefault(job.id, []), now)
             if reason:
                 _skip(run, reason, now)
             else:
                 active[job.id].append(run)
             runs.append(run)
-    _runs_insert(runs)
-    outbox_enqueue_runs(runs=[run for run in runs if run.state == RunState.QUEUED], now=now)
-    jobs_advance(jobs=jobs)
+    created, skipped = _runs_write(runs, jobs, now)
     if audit:
         AuditEvent.objects.bulk_create(audit)
-    skipped = sum(run.state == RunState.SKIPPED for run in runs)
     return MaterializerResult(
-        runs_created=len(runs) - skipped,
+        runs_created=created,
         runs_skipped=skipped,
         jobs_paused=len(paused),
         batch_full=len(claimed) >= limit,
     )
 
 
-def _existing_occurrences(plans: dict) -> set[tuple]:
+def _existing_occurrences(plans: dict, jobs: list[DueJob]) -> set[tuple]:
     """(job id, occurrence) of the planned occurrences that already have their run (a
-    rewound next_run_at): they are only advanced past."""
+    rewound next_run_at): they are only advanced past. On PostgreSQL the runs' INSERT
+    passes over them itself (ON CONFLICT DO NOTHING), so only the jobs whose overlap policy
+    must not count them as new runs are looked up."""
+    if connection.vendor == "postgresql":
+        ids = {job.id for job in jobs if job.spec.get("overlap", "allow") != "allow"}
+        plans = {job_id: plan for job_id, plan in plans.items() if job_id in ids}
     instants = {at for due, _ in plans.values() for at in due}
     if not instants:
         return set()
@@ -171,12 +210,102 @@ def _existing_occurrences(plans: dict) -> set[tuple]:
     )
 
 
-def _runs_insert(runs: list[Run]) -> None:
-    """The new runs, in one INSERT (jobs.rows: one JSON document unpacked server-side)."""
-    rows_insert(runs)
+def _runs_write(runs: list[NewRun], jobs: list[DueJob], now: dt.datetime) -> tuple[int, int]:
+    """Write the new runs, the outbox rows of those queued and the jobs' advanced
+    next_run_at; (runs created to execute, runs created skipped). On PostgreSQL one
+    statement: the rows go as one JSON document unpacked server-side, an occurrence that
+    already has its run is passed over, and the relays are woken at commit."""
+    if connection.vendor != "postgresql":
+        return _runs_write_portable(runs, jobs, now)
+    rows = [
+        {"id": str(run.id), "job_id": str(run.job.id), "job_version_id": run.job.version_id,
+         "state": run.state, "scheduled_for": run.scheduled_for.isoformat(),
+         "due_at": run.due_at.isoformat(), "idempotency_key": run.idempotency_key,
+         "skip_reason": run.skip_reason,
+         "finished_at": run.finished_at.isoformat() if run.finished_at else None,
+         "task_name": run.job.spec["task"], "queue": run.job.spec["queue"],
+         "priority": run.job.spec["priority"],
+         "timeout_seconds": run.job.spec.get("timeout_seconds")}
+        for run in runs
+    ]  # fmt: skip
+    with connection.cursor() as cursor:
+        cursor.execute(
+            f"""
+            WITH planned AS MATERIALIZED (
+                SELECT * FROM jsonb_to_recordset(%(rows)s::jsonb) AS planned(
+                    id uuid, job_id uuid, job_version_id bigint, state text,
+                    scheduled_for timestamptz, due_at timestamptz, idempotency_key text,
+                    skip_reason text, finished_at timestamptz, task_name text, queue text,
+                    priority int, timeout_seconds int)
+            ), created AS (
+                INSERT INTO {Run._meta.db_table}
+                       (id, job_id, job_version_id, kind, state, scheduled_for,
+                        idempotency_key, fencing_token, attempt_count, failure_reason,
+                        skip_reason, due_at, created_at, finished_at, updated_at,
+                        duplicate_deliveries, retry_base, republish_count)
+                SELECT id, job_id, job_version_id, %(kind)s, state, scheduled_for,
+                       idempotency_key, 0, 0, '', skip_reason, due_at, %(now)s, finished_at,
+                       %(now)s, 0, 0, 0
+                  FROM planned
+                ON CONFLICT DO NOTHING
+                RETURNING id, state
+            ), outboxed AS (
+                INSERT INTO {OutboxMessage._meta.db_table}
+                       (run_id, message_id, task_name, queue, priority, timeout_seconds,
+                        state, created_at, publish_tries, last_error)
+                SELECT planned.id, gen_random_uuid(), task_name, queue, priority,
+                       timeout_seconds, %(pending)s, %(now)s, 0, ''
+                  FROM created JOIN planned USING (id)
+                 WHERE created.state = %(queued)s
+                RETURNING 1
+            ), advanced AS (
+                UPDATE {Job._meta.db_table} AS job
+                   SET next_run_at = advanced.next_run_at
+                  FROM unnest(%(job_ids)s::uuid[], %(next_run_at)s::timestamptz[])
+                       AS advanced (id, next_run_at)
+                 WHERE job.id = advanced.id
+                RETURNING 1
+            )
+            SELECT (SELECT count(*) FROM created WHERE state <> %(skipped)s),
+                   (SELECT count(*) FROM created WHERE state = %(skipped)s),
+                   (SELECT count(*) FROM outboxed),
+                   (SELECT count(*) FROM advanced)
+            """,
+            {
+                "rows": json.dumps(rows), "kind": RunKind.SCHEDULED, "now": now,
+                "pending": OutboxState.PENDING, "queued": RunState.QUEUED,
+                "skipped": RunState.SKIPPED, "job_ids": [job.id for job in jobs],
+                "next_run_at": [job.next_run_at for job in jobs],
+            },
+        )  # fmt: skip
+        created, skipped, outboxed, _advanced = cursor.fetchone()
+    if outboxed:
+        notify(CHANNEL_OUTBOX)
+    return created, skipped
 
 
-def _overlap_runs(jobs: list[Job]) -> dict:
+def _runs_write_portable(
+    runs: list[NewRun], jobs: list[DueJob], now: dt.datetime
+) -> tuple[int, int]:
+    """_runs_write through the ORM (SQLite): the same rows, in three statements."""
+    rows = [
+        Run(
+            id=run.id, job_id=run.job.id,
+            job_version=JobVersion(id=run.job.version_id, spec=run.job.spec),
+            kind=RunKind.SCHEDULED, state=run.state, scheduled_for=run.scheduled_for,
+            due_at=run.due_at, created_at=now, idempotency_key=run.idempotency_key,
+            skip_reason=run.skip_reason, finished_at=run.finished_at,
+        )
+        for run in runs
+    ]  # fmt: skip
+    rows_insert(rows)
+    outbox_enqueue_runs(runs=[run for run in rows if run.state == RunState.QUEUED], now=now)
+    jobs_advance(jobs=[Job(id=job.id, next_run_at=job.next_run_at) for job in jobs])
+    skipped = sum(run.state == RunState.SKIPPED for run in runs)
+    return len(runs) - skipped, skipped
+
+
+def _overlap_runs(jobs: list[DueJob]) -> dict:
     """Job id -> its active scheduled runs the overlap policy needs, oldest first: none for
     `allow` (not loaded at all), at most OVERLAP_RUNS_PER_JOB, the newest, for the others,
     so a backlog of active runs costs a pass nothing more.
@@ -201,31 +330,29 @@ def _overlap_runs(jobs: list[Job]) -> dict:
     return active
 
 
-def _new_run(job: Job, version: JobVersion, at: dt.datetime, now: dt.datetime) -> Run:
+def _new_run(job: DueJob, at: dt.datetime, now: dt.datetime) -> NewRun:
     key = keys.occurrence_key(job.id, at)
     # Nothing is due before it was accepted (or resumed): a one-time job dated in the past
     # is due on acceptance, so the discovery lag measures the scheduler, not the date.
     accepted = min(max(job.created_at, job.resumed_at or job.created_at), now)
     due_at = max(at + run_jitter(key, job.spec.get("jitter_seconds") or 0), accepted)
-    return Run(
+    return NewRun(
+        id=uuid.uuid4(),
         job=job,
-        job_version=version,
-        kind=RunKind.SCHEDULED,
         # Held back until its jittered due time: the promoter queues it then.
         state=RunState.QUEUED if due_at <= now else RunState.PENDING,
         scheduled_for=at,
         due_at=due_at,
-        created_at=now,
         idempotency_key=key,
     )
 
 
-def _skip(run: Run, reason: str, now: dt.datetime) -> None:
+def _skip(run: NewRun, reason: str, now: dt.datetime) -> None:
     """A run created skipped: its occurrence stays visible, with why it did not run."""
     run.state, run.skip_reason, run.finished_at = RunState.SKIPPED, reason[:200], now
 
 
-def _apply_overlap(job: Job, run: Run, active: list[Run], now: dt.datetime) -> str:
+def _apply_overlap(job: DueJob, run: NewRun, active: list, now: dt.datetime) -> str:
     """Apply the overlap policy's decision to a new run while others of its job are
     active; returns a skip reason, or "" when the run goes ahead."""
     decision = overlap_decision(
@@ -234,7 +361,7 @@ def _apply_overlap(job: Job, run: Run, active: list[Run], now: dt.datetime) -> s
     if decision.outcome == "pending":
         run.state = RunState.PENDING
     for other in decision.cancel:
-        if other._state.adding:  # created in this pass, not yet in the database
+        if isinstance(other, NewRun):  # created in this pass, not yet in the database
             _skip(other, decision.cancel_reason, now)
         else:
             run_cancel_request(run=other, actor=None, now=now)

@@ -236,9 +236,31 @@ def next_fire(
     anchor: dt.datetime | None = None,
 ) -> dt.datetime | None:
     """The first fire instant strictly after `after`, or None when the schedule is over."""
-    for occurrence in occurrences(schedule, after=after, dst=dst, anchor=anchor):
+    if schedule["kind"] == "cron":
+        dst = dst or DEFAULT_DST
+        return _cron_next_fire(
+            schedule["expression"], schedule.get("timezone", "UTC"),
+            dst.get("gap"), dst.get("fold"), after,
+        )  # fmt: skip
+    return _next_fire(schedule, after=after, dst=dst, anchor=anchor)
+
+
+def _next_fire(schedule: dict, **where) -> dt.datetime | None:
+    for occurrence in occurrences(schedule, **where):
         return occurrence.at
     return None
+
+
+# Jobs on one expression fire at one instant, and each asks for the next (croniter costs
+# about 0.2 ms a question here: for 1,000 jobs a minute that was a fifth of a second of
+# every boundary's pass). The answer depends on nothing else; an error is not kept.
+@lru_cache(maxsize=4096)
+def _cron_next_fire(
+    expression: str, timezone: str, gap: str | None, fold: str | None, after: dt.datetime
+) -> dt.datetime | None:
+    schedule = {"kind": "cron", "expression": expression, "timezone": timezone}
+    dst = {key: value for key, value in (("gap", gap), ("fold", fold)) if value is not None}
+    return _next_fire(schedule, after=after, dst=dst)
 
 
 # Occurrences `shortest_gap` looks at: a cron expression repeats its minutes every matching

@@ -183,7 +183,7 @@ def test_two_replicas_claim_disjoint_due_jobs(make_job):
             connections.close_all()
 
     with transaction.atomic():
-        held = {version.job_id for version in _claim_due_jobs(now=NOW, limit=3)}
+        held = {job.id for job in _claim_due_jobs(now=NOW, limit=3)}
         thread = threading.Thread(target=second_replica)
         thread.start()
         thread.join(20)
