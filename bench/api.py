@@ -11,6 +11,10 @@ Creates a fresh PostgreSQL database (dropped afterwards), starts gunicorn on it 
 - `POST /api/v1/jobs/bulk/` of --bulk-size bodies, --bulk-requests in all from
   --bulk-clients processes, each item with an idempotency_key unless --no-keys.
 
+- the floor: `GET /healthz` (no database, no DRF: Django's middleware and gunicorn only)
+  from the same --clients processes for as long, in the same run: what the web tier and
+  these clients can answer at all on this machine, whatever a view does.
+
 Prints jobs/s created, the CPU time the web workers and the database's backends spent per
 job (less disturbed by the machine's other load than jobs/s: on an idle box, jobs/s is
 about cores / the CPU per job, the clients' included), every answer that was not 201 (a
@@ -68,6 +72,29 @@ def _post(port: int, token: str, path: str, body, headers: dict | None = None) -
         return 0  # refused or reset: counted as a failure
     finally:
         connection.close()
+
+
+def _get(port: int, path: str) -> int:
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+    try:
+        connection.request("GET", path)
+        response = connection.getresponse()
+        response.read()
+        return response.status
+    except OSError:
+        return 0
+    finally:
+        connection.close()
+
+
+def _floor_client(port: int, seconds: float, start_at: float) -> Counter:
+    """GET /healthz one after the other until the time is up: Counter of statuses."""
+    while time.time() < start_at:
+        time.sleep(0.001)
+    statuses, deadline = Counter(), start_at + seconds
+    while time.time() < deadline:
+        statuses[_get(port, "/healthz")] += 1
+    return statuses
 
 
 def _single_client(port: int, token: str, seconds: float, keys: bool, start_at: float):
@@ -251,6 +278,25 @@ def run(args, env: dict, workdir: Path) -> dict:
             f"POST /jobs/: {created / elapsed:.0f} jobs/s ({args.clients} clients); CPU per "
             f"job: web {figures['single']['web_cpu_ms_per_job']:.2f} ms, database "
             f"{figures['single']['database_cpu_ms_per_job']:.2f} ms"
+        )
+
+        start_at = time.time() + 1.0
+        with context.Pool(args.clients) as pool:
+            results = pool.starmap(
+                _floor_client, [(port, args.seconds, start_at) for _ in range(args.clients)]
+            )
+        elapsed = time.time() - start_at
+        answered = sum(results, Counter())
+        floor = answered[200] / elapsed
+        figures["floor"] = {
+            "clients": args.clients, "path": "/healthz", "seconds": round(elapsed, 2),
+            "requests_per_second": round(floor, 1),
+            "statuses": {str(k): v for k, v in sorted(answered.items())},
+            "single_share_of_floor": round(figures["single"]["jobs_per_second"] / floor, 3),
+        }  # fmt: skip
+        print(
+            f"GET /healthz (the floor): {floor:.0f} requests/s ({args.clients} clients); "
+            f"POST /jobs/ is {figures['floor']['single_share_of_floor']:.0%} of it"
         )
 
         before = Job.objects.count()

@@ -1,10 +1,12 @@
 """Idempotency keys: the same request sent twice with one key has one effect and one answer.
 
-The record is inserted first (`INSERT ... ON CONFLICT DO NOTHING`), in the transaction of
-the operation it guards: a concurrent duplicate blocks on `idempotency_key_unique` until
-the first commits, then reads its answer (or, if the first rolled back, becomes the first
-itself). `POST /jobs/bulk/` takes all its items' keys in one such statement. Only successful answers
-are kept: an error writes nothing, so the client may fix its body and retry with the key.
+The record is inserted with the answer (`INSERT ... ON CONFLICT DO NOTHING`), in the
+transaction of the operation it guards: a concurrent duplicate blocks on
+`idempotency_key_unique` until the first commits, then rolls its own work back and reads the
+first's answer (or, if the first rolled back, becomes the first itself). A key that was
+used before is claimed before the work is done again. `POST /jobs/bulk/` claims all its
+items' keys first, in one statement. Only successful answers are kept: an error writes
+nothing, so the client may fix its body and retry with the key.
 """
 
 from __future__ import annotations
@@ -30,6 +32,10 @@ class Answer:
     status: int
     body: dict | list
     replayed: bool = False
+
+
+class _Undone(Exception):
+    """Rolls back an answer that its key's record did not take."""
 
 
 class IdempotencyConflict(Exception):
@@ -60,6 +66,21 @@ def idempotent_answer(
     if key is None:
         return produce()
     digest = request_hash(body)
+    try:
+        with transaction.atomic():
+            # The answer first, then its record with it in one statement: a key seen for
+            # the first time (nearly every request) costs one statement. A key held or used
+            # before makes this insert wait for its holder or find its record; this work is
+            # then rolled back and done the careful way below (the key claimed first), as
+            # is any work that did not succeed: its answer may be the key's earlier one.
+            answer = produce()
+            if 200 <= answer.status < 300 and _insert_answered(
+                owner=owner, scope=scope, key=key, digest=digest, answer=answer, now=now
+            ):
+                return answer
+            raise _Undone
+    except Exception:  # rolled back; produced again below, where errors are the answer
+        pass
     with transaction.atomic():
         earlier = idempotency_claim(owner=owner, scope=scope, digests={key: digest}, now=now)
         if key in earlier:
@@ -140,6 +161,25 @@ def _insert_ignoring_held(
             [owner.pk, scope, at, rows],
         )
         return {row[0] for row in cursor.fetchall()}
+
+
+def _insert_answered(
+    *, owner, scope: str, key: str, digest: str, answer: Answer, now: dt.datetime
+) -> bool:
+    """The record of a key with its answer, unless the key has one (or a holder, which
+    this waits for): whether it was inserted."""
+    quote = connection.ops.quote_name
+    columns = ("owner_id", "scope", "key", "request_hash", "response_status", "response_body",
+               "created_at")  # fmt: skip
+    with connection.cursor() as cursor:
+        cursor.execute(
+            f"INSERT INTO {quote(IdempotencyRecord._meta.db_table)} "
+            f"({', '.join(map(quote, columns))}) VALUES (%s, %s, %s, %s, %s, %s, %s) "
+            "ON CONFLICT DO NOTHING RETURNING 1",
+            [owner.pk, scope, key, digest, answer.status, json.dumps(answer.body),
+             connection.ops.adapt_datetimefield_value(now)],
+        )  # fmt: skip
+        return cursor.fetchone() is not None
 
 
 def idempotency_store(

@@ -132,6 +132,29 @@ def test_scheduler_does_not_duplicate_a_run_when_next_run_at_is_rewound(make_job
     assert reload(job).next_run_at == RUN_AT + dt.timedelta(days=1)
 
 
+@pytest.mark.parametrize("overlap", ["allow", "skip"])
+def test_a_rewound_occurrence_with_its_run_neither_runs_again_nor_counts_as_new(make_job, overlap):
+    """The runs' INSERT passes over an occurrence that has its run (ON CONFLICT); for an
+    overlap policy the run found must not be taken for a new one, which would make the
+    next occurrence, due in the same pass, be skipped behind it."""
+    job = make_job(
+        now=CREATED, overlap=overlap,
+        schedule={"kind": "cron", "expression": "0 0 * * *", "timezone": "UTC"},
+    )  # fmt: skip
+    scheduler_run_once(now=RUN_AT, config=CONFIG)
+    first = Run.objects.get(job=job)
+    Run.objects.filter(id=first.id).update(state=RunState.SUCCEEDED, finished_at=RUN_AT)
+    Job.objects.filter(id=job.id).update(next_run_at=RUN_AT)
+    next_day = RUN_AT + dt.timedelta(days=1)
+    result = scheduler_run_once(now=next_day + dt.timedelta(seconds=1), config=CONFIG)
+    assert (result.runs_created, result.runs_skipped) == (1, 0)
+    runs = Run.objects.filter(job=job).order_by("scheduled_for")
+    assert [(run.scheduled_for, run.state) for run in runs] == [
+        (RUN_AT, RunState.SUCCEEDED), (next_day, RunState.QUEUED),
+    ]  # fmt: skip
+    assert OutboxMessage.objects.filter(run__job=job).count() == 2
+
+
 # --- misfire: the service was down for three hours -----------------------------------
 
 # Created before midnight; the scheduler is down from 23:59 until 03:10, so the

@@ -296,6 +296,20 @@ def test_same_key_same_body_returns_the_original_job(api):
     assert Job.objects.count() == 1
 
 
+def test_a_retry_answers_the_first_answer_where_doing_it_again_would_fail(api, settings):
+    """The work is done before its key is recorded (jobs.idempotency); a retry whose work
+    would now fail (the owner's quota is full) still answers the first answer."""
+    body = job_body()
+    first = api.post(JOBS, body, format="json", HTTP_IDEMPOTENCY_KEY="k-q")
+    settings.SCHEDULER_OWNER_MAX_JOBS = 1
+    assert api.post(JOBS, job_body(name="new"), format="json").status_code == 429
+    again = api.post(JOBS, body, format="json", HTTP_IDEMPOTENCY_KEY="k-q")
+    assert (again.status_code, again.json()) == (201, first.json())
+    assert again["Idempotent-Replayed"] == "true"
+    assert Job.objects.count() == 1
+    assert IdempotencyRecord.objects.get(key="k-q").response_status == 201
+
+
 def test_same_key_other_body_is_409_and_creates_nothing(api):
     api.post(JOBS, job_body(), format="json", HTTP_IDEMPOTENCY_KEY="k-1")
     response = api.post(JOBS, job_body(name="other"), format="json", HTTP_IDEMPOTENCY_KEY="k-1")

@@ -436,3 +436,30 @@ def test_job_next_fire_includes_end_at_and_stops_after_it():
 
 
 # --- retry policy ----------------------------------------------------------------------
+
+
+def test_next_fire_of_cron_is_kept_per_expression_zone_dst_and_instant():
+    """The next fire is kept for the jobs that share an expression (jobs.schedules), keyed
+    on all it depends on: another zone, DST policy or instant is not answered from it, and
+    what `occurrences` gives is what it answers."""
+    after = dt.datetime(2025, 3, 9, 6, 45, tzinfo=dt.UTC)  # 01:45 EST, before the gap
+    expected = {
+        (zone_name, gap): next(iter(occurrences(cron("30 2 * * *", zone_name), after=after,
+                                                dst={"gap": gap, "fold": "auto"}))).at
+        for zone_name in ("America/New_York", "Europe/Berlin") for gap in ("shift", "skip")
+    }  # fmt: skip
+    new_york, berlin = "America/New_York", "Europe/Berlin"
+    # Answers that differ by zone and by gap policy alone: none may stand in for another.
+    assert expected[new_york, "shift"] != expected[new_york, "skip"]
+    assert expected[new_york, "shift"] != expected[berlin, "shift"]
+    for _ in range(2):  # the second round is answered from what the first kept
+        for (zone_name, gap), at in expected.items():
+            schedule = cron("30 2 * * *", zone_name)
+            assert next_fire(schedule, after=after, dst={"gap": gap, "fold": "auto"}) == at
+    later = after + dt.timedelta(days=1)
+    assert (
+        next_fire(cron("30 2 * * *", "America/New_York"), after=later)
+        == next(iter(occurrences(cron("30 2 * * *", "America/New_York"), after=later))).at
+    )
+    with pytest.raises(ScheduleError):
+        next_fire(cron("0 0 30 2 *", "UTC"), after=after)  # 30 February: never
