@@ -214,26 +214,27 @@ def _runs_write(runs: list[NewRun], jobs: list[DueJob], now: dt.datetime) -> tup
     """Write the new runs, the outbox rows of those queued and the jobs' advanced
     next_run_at; (runs created to execute, runs created skipped). On PostgreSQL one
     statement: the rows go as one JSON document unpacked server-side, an occurrence that
-    already has its run is passed over, and the relays are woken at commit."""
+    already has its scheduled run is passed over (any other unique violation is an error),
+    and the relays are woken at commit."""
     if connection.vendor != "postgresql":
         return _runs_write_portable(runs, jobs, now)
     rows = [
-        {"id": str(run.id), "job_id": str(run.job.id), "job_version_id": run.job.version_id,
-         "state": run.state, "scheduled_for": run.scheduled_for.isoformat(),
-         "due_at": run.due_at.isoformat(), "idempotency_key": run.idempotency_key,
-         "skip_reason": run.skip_reason,
+        {"position": position, "id": str(run.id), "job_id": str(run.job.id),
+         "job_version_id": run.job.version_id, "state": run.state,
+         "scheduled_for": run.scheduled_for.isoformat(), "due_at": run.due_at.isoformat(),
+         "idempotency_key": run.idempotency_key, "skip_reason": run.skip_reason,
          "finished_at": run.finished_at.isoformat() if run.finished_at else None,
          "task_name": run.job.spec["task"], "queue": run.job.spec["queue"],
          "priority": run.job.spec["priority"],
          "timeout_seconds": run.job.spec.get("timeout_seconds")}
-        for run in runs
+        for position, run in enumerate(runs)
     ]  # fmt: skip
     with connection.cursor() as cursor:
         cursor.execute(
             f"""
             WITH planned AS MATERIALIZED (
                 SELECT * FROM jsonb_to_recordset(%(rows)s::jsonb) AS planned(
-                    id uuid, job_id uuid, job_version_id bigint, state text,
+                    position int, id uuid, job_id uuid, job_version_id bigint, state text,
                     scheduled_for timestamptz, due_at timestamptz, idempotency_key text,
                     skip_reason text, finished_at timestamptz, task_name text, queue text,
                     priority int, timeout_seconds int)
@@ -247,7 +248,7 @@ def _runs_write(runs: list[NewRun], jobs: list[DueJob], now: dt.datetime) -> tup
                        idempotency_key, 0, 0, '', skip_reason, due_at, %(now)s, finished_at,
                        %(now)s, 0, 0, 0
                   FROM planned
-                ON CONFLICT DO NOTHING
+                ON CONFLICT (job_id, scheduled_for) WHERE kind = %(kind)s DO NOTHING
                 RETURNING id, state
             ), outboxed AS (
                 INSERT INTO {OutboxMessage._meta.db_table}
@@ -257,6 +258,7 @@ def _runs_write(runs: list[NewRun], jobs: list[DueJob], now: dt.datetime) -> tup
                        timeout_seconds, %(pending)s, %(now)s, 0, ''
                   FROM created JOIN planned USING (id)
                  WHERE created.state = %(queued)s
+                 ORDER BY planned.position  -- the relay publishes in id order: oldest first
                 RETURNING 1
             ), advanced AS (
                 UPDATE {Job._meta.db_table} AS job

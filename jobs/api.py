@@ -254,8 +254,11 @@ def _idempotency_key(request) -> str | None:
     return key
 
 
-def _answer(request, *, scope: str, produce, now: dt.datetime | None = None) -> Response:
-    """Run `produce` once per Idempotency-Key (if the request has one)."""
+def _answer(
+    request, *, scope: str, produce, now: dt.datetime | None = None, lockless: bool = False
+) -> Response:
+    """Run `produce` once per Idempotency-Key (if the request has one); `lockless` as
+    jobs.idempotency.idempotent_answer's."""
     key = _idempotency_key(request)
     try:
         answer = idempotent_answer(
@@ -265,6 +268,7 @@ def _answer(request, *, scope: str, produce, now: dt.datetime | None = None) -> 
             body=request.data,
             now=now if now is not None or key is None else db_now(),
             produce=produce,
+            lockless=lockless,
         )
     except IdempotencyConflict as exc:
         return Response({"detail": str(exc)}, status=status.HTTP_409_CONFLICT)
@@ -325,7 +329,8 @@ class JobListApi(APIView):
             )
             return Answer(status.HTTP_201_CREATED, JobOutput(job).data)
 
-        return _answer(request, scope=CREATE_SCOPE, produce=create, now=now)
+        # A creation only inserts new rows: its key is recorded after it (one statement).
+        return _answer(request, scope=CREATE_SCOPE, produce=create, now=now, lockless=True)
 
 
 # A bulk item's `idempotency_key` is the Idempotency-Key of a POST /jobs/ of its body: the

@@ -1,10 +1,11 @@
 """Idempotency keys: the same request sent twice with one key has one effect and one answer.
 
-The record is inserted with the answer (`INSERT ... ON CONFLICT DO NOTHING`), in the
-transaction of the operation it guards: a concurrent duplicate blocks on
-`idempotency_key_unique` until the first commits, then rolls its own work back and reads the
-first's answer (or, if the first rolled back, becomes the first itself). A key that was
-used before is claimed before the work is done again. `POST /jobs/bulk/` claims all its
+The record is inserted first (`INSERT ... ON CONFLICT DO NOTHING`), in the transaction of
+the operation it guards: a concurrent duplicate blocks on `idempotency_key_unique` until
+the first commits, then reads its answer (or, if the first rolled back, becomes the first
+itself). Work that locks nothing (a job's creation) is done first and its record inserted
+with its answer, in one statement; a duplicate then rolls its work back and is answered
+the same way. `POST /jobs/bulk/` claims all its
 items' keys first, in one statement. Only successful answers are kept: an error writes
 nothing, so the client may fix its body and retry with the key.
 """
@@ -15,12 +16,15 @@ import dataclasses
 import datetime as dt
 import hashlib
 import json
+import logging
 from collections.abc import Callable
 
 from django.contrib.auth.models import AbstractBaseUser
 from django.db import connection, transaction
 
 from .models import IdempotencyRecord
+
+log = logging.getLogger("jobs.idempotency")
 
 # How long a key answers with its first result; older records are pruned and forgotten.
 IDEMPOTENCY_RETENTION = dt.timedelta(hours=24)
@@ -60,27 +64,37 @@ def idempotent_answer(
     body,
     now: dt.datetime,
     produce: Callable[[], Answer],
+    lockless: bool = False,
 ) -> Answer:
     """`produce()` once per (owner, scope, key); its first successful answer is replayed to
-    every repeat with the same body. Raises IdempotencyConflict for another body."""
+    every repeat with the same body. Raises IdempotencyConflict for another body.
+
+    `lockless`: `produce()` takes no lock another transaction may wait for (it only inserts
+    new rows, as a job's creation does), so its work may be done before its key is taken
+    (one statement fewer). Work that locks rows (a trigger locks its job) claims the key
+    first: done the other way round, a retry racing its own original could deadlock."""
     if key is None:
         return produce()
     digest = request_hash(body)
-    try:
-        with transaction.atomic():
-            # The answer first, then its record with it in one statement: a key seen for
-            # the first time (nearly every request) costs one statement. A key held or used
-            # before makes this insert wait for its holder or find its record; this work is
-            # then rolled back and done the careful way below (the key claimed first), as
-            # is any work that did not succeed: its answer may be the key's earlier one.
-            answer = produce()
-            if 200 <= answer.status < 300 and _insert_answered(
-                owner=owner, scope=scope, key=key, digest=digest, answer=answer, now=now
-            ):
-                return answer
-            raise _Undone
-    except Exception:  # rolled back; produced again below, where errors are the answer
-        pass
+    if lockless:
+        try:
+            with transaction.atomic():
+                # The answer first, then its record with it in one statement: a key seen
+                # for the first time (nearly every request) costs one statement. A key held
+                # or used before makes this insert wait for its holder or find its record;
+                # the work is then rolled back and done the careful way below, as is any
+                # work that did not succeed: its answer may be the key's earlier one.
+                answer = produce()
+                if 200 <= answer.status < 300 and _insert_answered(
+                    owner=owner, scope=scope, key=key, digest=digest, answer=answer, now=now
+                ):
+                    return answer
+                raise _Undone
+        except _Undone:
+            pass
+        except Exception:  # rolled back; produced again below, where errors are the answer
+            log.debug("idempotent %s: first try failed; claiming the key first", scope,
+                      exc_info=True)  # fmt: skip
     with transaction.atomic():
         earlier = idempotency_claim(owner=owner, scope=scope, digests={key: digest}, now=now)
         if key in earlier:

@@ -463,3 +463,8 @@ def test_next_fire_of_cron_is_kept_per_expression_zone_dst_and_instant():
     )
     with pytest.raises(ScheduleError):
         next_fire(cron("0 0 30 2 *", "UTC"), after=after)  # 30 February: never
+    # The two 01:30 of New York's fold are two instants, though equal as wall times.
+    quarter = cron("*/15 * * * *", "America/New_York")
+    for fold in (0, 1):
+        local = dt.datetime(2025, 11, 2, 1, 30, fold=fold, tzinfo=zone("America/New_York"))
+        assert next_fire(quarter, after=local) == next(iter(occurrences(quarter, after=local))).at
