@@ -55,16 +55,12 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _post(port: int, token: str, path: str, body, headers: dict | None = None) -> int:
+def _request(port: int, method: str, path: str, *, body=None, headers: dict | None = None) -> int:
+    """One request on a new connection: its status, 0 when refused or reset."""
     connection = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
     try:
-        connection.request(
-            "POST",
-            path,
-            body=json.dumps(body),
-            headers={"Authorization": f"Token {token}", "Content-Type": "application/json",
-                     **(headers or {})},
-        )  # fmt: skip
+        connection.request(method, path, body=None if body is None else json.dumps(body),
+                           headers=headers or {})  # fmt: skip
         response = connection.getresponse()
         response.read()
         return response.status
@@ -74,17 +70,10 @@ def _post(port: int, token: str, path: str, body, headers: dict | None = None) -
         connection.close()
 
 
-def _get(port: int, path: str) -> int:
-    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
-    try:
-        connection.request("GET", path)
-        response = connection.getresponse()
-        response.read()
-        return response.status
-    except OSError:
-        return 0
-    finally:
-        connection.close()
+def _post(port: int, token: str, path: str, body, headers: dict | None = None) -> int:
+    return _request(port, "POST", path, body=body, headers={
+        "Authorization": f"Token {token}", "Content-Type": "application/json", **(headers or {})
+    })  # fmt: skip
 
 
 def _floor_client(port: int, seconds: float, start_at: float) -> Counter:
@@ -93,7 +82,7 @@ def _floor_client(port: int, seconds: float, start_at: float) -> Counter:
         time.sleep(0.001)
     statuses, deadline = Counter(), start_at + seconds
     while time.time() < deadline:
-        statuses[_get(port, "/healthz")] += 1
+        statuses[_request(port, "GET", "/healthz")] += 1
     return statuses
 
 
