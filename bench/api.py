@@ -13,7 +13,10 @@ Creates a fresh PostgreSQL database (dropped afterwards), starts gunicorn on it 
 
 - the floor: `GET /healthz` (no database, no DRF: Django's middleware and gunicorn only)
   from the same --clients processes for as long, in the same run: what the web tier and
-  these clients can answer at all on this machine, whatever a view does.
+  these clients can answer at all on this machine, whatever a view does;
+- the DRF floor: `POST /api/v1/schedules/preview/` of the same schedule, as long: token
+  authentication, the shared throttle, DRF's parsing, validation (croniter) and rendering,
+  and nothing written. A creation does all of that and then writes its rows.
 
 Prints jobs/s created, the CPU time the web workers and the database's backends spent per
 job (less disturbed by the machine's other load than jobs/s: on an idle box, jobs/s is
@@ -76,13 +79,22 @@ def _post(port: int, token: str, path: str, body, headers: dict | None = None) -
     })  # fmt: skip
 
 
-def _floor_client(port: int, seconds: float, start_at: float) -> Counter:
-    """GET /healthz one after the other until the time is up: Counter of statuses."""
+# The DRF floor's request: authenticated, throttled, parsed and validated as a creation
+# is (the schedule through croniter), answered from memory: nothing written.
+PREVIEW = {"schedule": BODY["schedule"], "after": "2030-01-01T00:00:00Z", "count": 1}
+
+
+def _floor_client(port: int, seconds: float, start_at: float, token: str | None) -> Counter:
+    """GET /healthz (no token) or POST /schedules/preview/ one after the other until the
+    time is up: Counter of statuses."""
     while time.time() < start_at:
         time.sleep(0.001)
     statuses, deadline = Counter(), start_at + seconds
     while time.time() < deadline:
-        statuses[_request(port, "GET", "/healthz")] += 1
+        if token is None:
+            statuses[_request(port, "GET", "/healthz")] += 1
+        else:
+            statuses[_post(port, token, "/api/v1/schedules/preview/", PREVIEW)] += 1
     return statuses
 
 
@@ -269,24 +281,33 @@ def run(args, env: dict, workdir: Path) -> dict:
             f"{figures['single']['database_cpu_ms_per_job']:.2f} ms"
         )
 
-        start_at = time.time() + 1.0
-        with context.Pool(args.clients) as pool:
-            results = pool.starmap(
-                _floor_client, [(port, args.seconds, start_at) for _ in range(args.clients)]
+        for name, path, floor_tokens in (
+            ("floor", "/healthz", [None] * args.clients),
+            ("drf_floor", "/api/v1/schedules/preview/", tokens[: args.clients]),
+        ):
+            start_at = time.time() + 1.0
+            meter = CpuMeter(server.pid, database)
+            with context.Pool(args.clients) as pool:
+                results = pool.starmap(
+                    _floor_client, [(port, args.seconds, start_at, t) for t in floor_tokens]
+                )
+            elapsed = time.time() - start_at
+            web_cpu, _ = meter.spent()
+            answered = sum(results, Counter())
+            floor = answered[200] / elapsed
+            figures[name] = {
+                "clients": args.clients, "path": path, "seconds": round(elapsed, 2),
+                "requests_per_second": round(floor, 1),
+                "web_cpu_ms_per_request": round(1000 * web_cpu / max(answered[200], 1), 3),
+                "statuses": {str(k): v for k, v in sorted(answered.items())},
+                "single_share_of_floor": round(figures["single"]["jobs_per_second"] / floor, 3),
+            }  # fmt: skip
+            print(
+                f"{'GET' if name == 'floor' else 'POST'} {path} ({name}): {floor:.0f} "
+                f"requests/s ({args.clients} clients), web CPU "
+                f"{figures[name]['web_cpu_ms_per_request']:.2f} ms a request; POST /jobs/ is "
+                f"{figures[name]['single_share_of_floor']:.0%} of it"
             )
-        elapsed = time.time() - start_at
-        answered = sum(results, Counter())
-        floor = answered[200] / elapsed
-        figures["floor"] = {
-            "clients": args.clients, "path": "/healthz", "seconds": round(elapsed, 2),
-            "requests_per_second": round(floor, 1),
-            "statuses": {str(k): v for k, v in sorted(answered.items())},
-            "single_share_of_floor": round(figures["single"]["jobs_per_second"] / floor, 3),
-        }  # fmt: skip
-        print(
-            f"GET /healthz (the floor): {floor:.0f} requests/s ({args.clients} clients); "
-            f"POST /jobs/ is {figures['floor']['single_share_of_floor']:.0%} of it"
-        )
 
         before = Job.objects.count()
         watch = ConnectionWatch(database)

@@ -1,0 +1,109 @@
+"""Profile of POST /api/v1/jobs/ in one process: where a creation's web CPU goes.
+
+    .venv/bin/python bench/profile_api.py --requests 2000 [--profile 30] [--no-keys]
+
+Creates a fresh PostgreSQL database (dropped afterwards), then sends N creations through
+Django's full request cycle (middleware, DRF, the database) with Django's test client, in
+this process and without HTTP, and prints requests/s of that process alone. `--profile`
+repeats them under cProfile and prints the functions that took the most time (cProfile
+slows Python down: the rate without it is the figure). The HTTP figure, with gunicorn and
+concurrent clients, is bench/api.py's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import pstats
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from api import BODY  # noqa: E402
+from common import bench_environment  # noqa: E402
+
+
+def _creations(client, token: str, count: int, keys: bool, prefix: str) -> float:
+    started = time.perf_counter()
+    for index in range(count):
+        headers = {"HTTP_IDEMPOTENCY_KEY": f"{prefix}-{index}"} if keys else {}
+        response = client.post(
+            "/api/v1/jobs/", json.dumps({**BODY, "name": f"{prefix}{index}"}),
+            content_type="application/json", HTTP_HOST="127.0.0.1",
+            HTTP_AUTHORIZATION=f"Token {token}", **headers,
+        )  # fmt: skip
+        if response.status_code != 201:
+            raise SystemExit(f"POST /jobs/ answered {response.status_code}: {response.content}")
+    return time.perf_counter() - started
+
+
+def _bulks(client, token: str, count: int, size: int, keys: bool, prefix: str) -> float:
+    started = time.perf_counter()
+    for request in range(count):
+        items = [
+            {**BODY, "name": f"{prefix}{request}-{i}",
+             **({"idempotency_key": f"{prefix}-{request}-{i}"} if keys else {})}
+            for i in range(size)
+        ]  # fmt: skip
+        response = client.post(
+            "/api/v1/jobs/bulk/", json.dumps(items), content_type="application/json",
+            HTTP_HOST="127.0.0.1", HTTP_AUTHORIZATION=f"Token {token}",
+        )  # fmt: skip
+        if response.status_code != 201:
+            raise SystemExit(f"POST /jobs/bulk/ answered {response.status_code}")
+    return time.perf_counter() - started
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--requests", type=int, default=2000)
+    parser.add_argument("--profile", type=int, default=0, help="print cProfile's top N")
+    parser.add_argument("--no-keys", dest="keys", action="store_false")
+    parser.add_argument("--bulk", type=int, default=0, help="POST /jobs/bulk/ of this size")
+    args = parser.parse_args()
+    with bench_environment("bench_profile_api", task_modules="tests.sample_tasks"):
+        import datetime as dt
+
+        from django.contrib.auth import get_user_model
+        from django.test import Client
+
+        from jobs.tokens import token_create
+
+        owner = get_user_model().objects.create_user("bench")
+        token = token_create(owner=owner, now=dt.datetime.now(dt.UTC))[1]
+        client = Client(SERVER_NAME="127.0.0.1")
+        if args.bulk:
+
+            def send(prefix):
+                return _bulks(client, token, args.requests, args.bulk, args.keys, prefix)
+
+            jobs = args.requests * args.bulk
+        else:
+
+            def send(prefix):
+                return _creations(client, token, args.requests, args.keys, prefix)
+
+            jobs = args.requests
+        send("warm")
+        elapsed = send("timed")
+        print(
+            f"{'POST /jobs/bulk/' if args.bulk else 'POST /jobs/'} in one process: "
+            f"{jobs / elapsed:.0f} jobs/s, {1000 * elapsed / jobs:.3f} ms a job"
+        )
+        if args.profile:
+            profile = cProfile.Profile()
+            profile.enable()
+            send("profiled")
+            profile.disable()
+            out = io.StringIO()
+            stats = pstats.Stats(profile, stream=out).sort_stats("cumulative")
+            stats.print_stats(args.profile)
+            stats.sort_stats("tottime").print_stats(args.profile)
+            print(out.getvalue())
+
+
+if __name__ == "__main__":
+    main()
