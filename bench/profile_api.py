@@ -40,6 +40,20 @@ def _creations(client, token: str, count: int, keys: bool, prefix: str) -> float
     return time.perf_counter() - started
 
 
+def _previews(client, token: str, count: int) -> float:
+    from api import PREVIEW
+
+    started = time.perf_counter()
+    for _ in range(count):
+        response = client.post(
+            "/api/v1/schedules/preview/", json.dumps(PREVIEW), content_type="application/json",
+            HTTP_HOST="127.0.0.1", HTTP_AUTHORIZATION=f"Token {token}",
+        )  # fmt: skip
+        if response.status_code != 200:
+            raise SystemExit(f"POST /schedules/preview/ answered {response.status_code}")
+    return time.perf_counter() - started
+
+
 def _bulks(client, token: str, count: int, size: int, keys: bool, prefix: str) -> float:
     started = time.perf_counter()
     for request in range(count):
@@ -63,6 +77,7 @@ def main() -> None:
     parser.add_argument("--profile", type=int, default=0, help="print cProfile's top N")
     parser.add_argument("--no-keys", dest="keys", action="store_false")
     parser.add_argument("--bulk", type=int, default=0, help="POST /jobs/bulk/ of this size")
+    parser.add_argument("--preview", action="store_true", help="the DRF floor (bench/api.py)")
     args = parser.parse_args()
     with bench_environment("bench_profile_api", task_modules="tests.sample_tasks"):
         import datetime as dt
@@ -75,7 +90,13 @@ def main() -> None:
         owner = get_user_model().objects.create_user("bench")
         token = token_create(owner=owner, now=dt.datetime.now(dt.UTC))[1]
         client = Client(SERVER_NAME="127.0.0.1")
-        if args.bulk:
+        if args.preview:
+
+            def send(prefix):
+                return _previews(client, token, args.requests)
+
+            jobs = args.requests
+        elif args.bulk:
 
             def send(prefix):
                 return _bulks(client, token, args.requests, args.bulk, args.keys, prefix)
