@@ -1,6 +1,8 @@
 """Profile of POST /api/v1/jobs/ in one process: where a creation's web CPU goes.
 
     .venv/bin/python bench/profile_api.py --requests 2000 [--profile 30] [--no-keys]
+    .venv/bin/python bench/profile_api.py --bulk 1000 --requests 5   # POST /jobs/bulk/
+    .venv/bin/python bench/profile_api.py --preview --requests 2000  # bench/api.py's DRF floor
 
 Creates a fresh PostgreSQL database (dropped afterwards), then sends N creations through
 Django's full request cycle (middleware, DRF, the database) with Django's test client, in
@@ -110,8 +112,9 @@ def main() -> None:
             jobs = args.requests
         send("warm")
         elapsed = send("timed")
+        path = "/schedules/preview/" if args.preview else "/jobs/bulk/" if args.bulk else "/jobs/"
         print(
-            f"{'POST /jobs/bulk/' if args.bulk else 'POST /jobs/'} in one process: "
+            f"POST {path} in one process: "
             f"{jobs / elapsed:.0f} jobs/s, {1000 * elapsed / jobs:.3f} ms a job"
         )
         if args.profile:

@@ -11,11 +11,14 @@ defends guessable secrets, and a 160-bit random key is not guessable.
 from __future__ import annotations
 
 import datetime as dt
+import functools
 import hashlib
 import secrets
 
 from django.conf import settings
+from django.contrib.auth import get_user_model
 from django.contrib.auth.models import AbstractBaseUser
+from django.db import connection
 from django.db.models import Q
 from django.utils import timezone
 from rest_framework import authentication, exceptions
@@ -57,17 +60,46 @@ def tokens_revoke(*, tokens, now: dt.datetime) -> int:
     return tokens.filter(revoked_at=None).update(revoked_at=now)
 
 
+@functools.cache
+def _owner_query() -> tuple[str, list[str]]:
+    """The SQL of token_user's lookup on PostgreSQL and the user fields it reads. Every
+    API request authenticates: building the ORM's join and filters and the instances each
+    time cost about 2 ms of CPU a request (bench/profile_api.py --preview: 6.7 ms a
+    request before, 4.3 ms after), several times the database's work; the statement is
+    the same every time."""
+    user = get_user_model()
+    quote = connection.ops.quote_name
+    fields = user._meta.concrete_fields
+    columns = ", ".join(f"u.{quote(field.column)}" for field in fields)
+    sql = (
+        f"SELECT {columns} FROM {quote(ApiToken._meta.db_table)} AS t "
+        f"JOIN {quote(user._meta.db_table)} AS u "
+        f"ON u.{quote(user._meta.pk.column)} = t.{quote(ApiToken.owner.field.column)} "
+        "WHERE t.digest = %s AND t.revoked_at IS NULL "
+        "AND (t.expires_at IS NULL OR t.expires_at > %s)"
+    )
+    return sql, [field.attname for field in fields]
+
+
 def token_user(*, key: str, now: dt.datetime) -> AbstractBaseUser | None:
     """The active user whose live (unrevoked, unexpired) token `key` is, else None."""
-    token = (
-        ApiToken.objects.select_related("owner")
-        .filter(digest=token_digest(key), revoked_at=None)
-        .filter(Q(expires_at=None) | Q(expires_at__gt=now))
-        .first()
-    )
-    if token is None or not token.owner.is_active:
+    if connection.vendor != "postgresql":
+        # Embedded defaults: SQLite's raw values need the ORM's converters (datetimes).
+        token = (
+            ApiToken.objects.select_related("owner")
+            .filter(digest=token_digest(key), revoked_at=None)
+            .filter(Q(expires_at=None) | Q(expires_at__gt=now))
+            .first()
+        )
+        return token.owner if token is not None and token.owner.is_active else None
+    sql, fields = _owner_query()
+    with connection.cursor() as cursor:
+        cursor.execute(sql, [token_digest(key), now])
+        row = cursor.fetchone()
+    if row is None:
         return None
-    return token.owner
+    owner = get_user_model().from_db(connection.alias, fields, row)
+    return owner if owner.is_active else None
 
 
 class TokenAuthentication(authentication.TokenAuthentication):
