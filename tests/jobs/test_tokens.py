@@ -144,3 +144,31 @@ def test_standalone_prints_a_token_of_a_plain_user_not_of_the_superuser():
     assert again is None  # the admin exists: no new password
     assert _client(second).get(JOBS).status_code == 200
     assert _client(first).get(JOBS).status_code == 401  # the previous start's token
+
+
+@pytest.mark.django_db
+def test_token_user_is_the_stored_user_and_expiry_is_exclusive(user):
+    from jobs.tokens import token_user
+
+    now = _now()
+    _, forever = token_create(owner=user, now=now, ttl=dt.timedelta(0))  # no expiry
+    assert ApiToken.objects.get(digest=token_digest(forever)).expires_at is None
+    found = token_user(key=forever, now=now + dt.timedelta(days=3650))
+    stored = get_user_model().objects.get(pk=user.pk)
+    for field in stored._meta.concrete_fields:
+        assert getattr(found, field.attname) == getattr(stored, field.attname), field.name
+    assert found.date_joined.tzinfo is not None
+    assert found._state.db == "default" and not found._state.adding
+    found.first_name = "renamed"
+    found.save()
+    assert get_user_model().objects.count() == 1
+    assert get_user_model().objects.get(pk=user.pk).first_name == "renamed"
+
+    token, expiring = token_create(owner=user, now=now, ttl=dt.timedelta(days=1))
+    plus_five = dt.timezone(dt.timedelta(hours=5))
+    assert token_user(key=expiring, now=token.expires_at) is None
+    assert token_user(key=expiring, now=token.expires_at.astimezone(plus_five)) is None
+    just_before = token.expires_at - dt.timedelta(microseconds=1)
+    assert token_user(key=expiring, now=just_before) == stored
+    assert token_user(key=expiring, now=just_before.astimezone(plus_five)) == stored
+    assert _client(forever).get(JOBS).status_code == 200
