@@ -15,44 +15,37 @@ concurrent clients, is bench/api.py's.
 from __future__ import annotations
 
 import argparse
-import cProfile
-import io
 import json
-import pstats
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from api import BODY  # noqa: E402
-from common import bench_environment  # noqa: E402
+from api import BODY, PREVIEW  # noqa: E402
+from common import bench_environment, print_profile  # noqa: E402
+
+
+def _post(client, token: str, path: str, body, expected: int, **headers) -> None:
+    response = client.post(
+        f"/api/v1{path}", json.dumps(body), content_type="application/json",
+        HTTP_HOST="127.0.0.1", HTTP_AUTHORIZATION=f"Token {token}", **headers,
+    )  # fmt: skip
+    if response.status_code != expected:
+        raise SystemExit(f"POST {path} answered {response.status_code}: {response.content}")
 
 
 def _creations(client, token: str, count: int, keys: bool, prefix: str) -> float:
     started = time.perf_counter()
     for index in range(count):
         headers = {"HTTP_IDEMPOTENCY_KEY": f"{prefix}-{index}"} if keys else {}
-        response = client.post(
-            "/api/v1/jobs/", json.dumps({**BODY, "name": f"{prefix}{index}"}),
-            content_type="application/json", HTTP_HOST="127.0.0.1",
-            HTTP_AUTHORIZATION=f"Token {token}", **headers,
-        )  # fmt: skip
-        if response.status_code != 201:
-            raise SystemExit(f"POST /jobs/ answered {response.status_code}: {response.content}")
+        _post(client, token, "/jobs/", {**BODY, "name": f"{prefix}{index}"}, 201, **headers)
     return time.perf_counter() - started
 
 
 def _previews(client, token: str, count: int) -> float:
-    from api import PREVIEW
-
     started = time.perf_counter()
     for _ in range(count):
-        response = client.post(
-            "/api/v1/schedules/preview/", json.dumps(PREVIEW), content_type="application/json",
-            HTTP_HOST="127.0.0.1", HTTP_AUTHORIZATION=f"Token {token}",
-        )  # fmt: skip
-        if response.status_code != 200:
-            raise SystemExit(f"POST /schedules/preview/ answered {response.status_code}")
+        _post(client, token, "/schedules/preview/", PREVIEW, 200)
     return time.perf_counter() - started
 
 
@@ -64,12 +57,7 @@ def _bulks(client, token: str, count: int, size: int, keys: bool, prefix: str) -
              **({"idempotency_key": f"{prefix}-{request}-{i}"} if keys else {})}
             for i in range(size)
         ]  # fmt: skip
-        response = client.post(
-            "/api/v1/jobs/bulk/", json.dumps(items), content_type="application/json",
-            HTTP_HOST="127.0.0.1", HTTP_AUTHORIZATION=f"Token {token}",
-        )  # fmt: skip
-        if response.status_code != 201:
-            raise SystemExit(f"POST /jobs/bulk/ answered {response.status_code}")
+        _post(client, token, "/jobs/bulk/", items, 201)
     return time.perf_counter() - started
 
 
@@ -118,15 +106,7 @@ def main() -> None:
             f"{jobs / elapsed:.0f} jobs/s, {1000 * elapsed / jobs:.3f} ms a job"
         )
         if args.profile:
-            profile = cProfile.Profile()
-            profile.enable()
-            send("profiled")
-            profile.disable()
-            out = io.StringIO()
-            stats = pstats.Stats(profile, stream=out).sort_stats("cumulative")
-            stats.print_stats(args.profile)
-            stats.sort_stats("tottime").print_stats(args.profile)
-            print(out.getvalue())
+            print_profile(lambda: send("profiled"), args.profile)
 
 
 if __name__ == "__main__":

@@ -25,17 +25,14 @@ the median.
 from __future__ import annotations
 
 import argparse
-import cProfile
-import io
 import multiprocessing
-import pstats
 import statistics
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import ROOT, bench_environment  # noqa: E402
+from common import ROOT, bench_environment, print_profile  # noqa: E402
 
 
 def fill_outbox(rows: int, chunk: int = 5000) -> None:
@@ -263,16 +260,8 @@ def main() -> None:
         )
         if args.profile:
             fill_outbox(args.rows)
-            profiler = cProfile.Profile()
-            profiler.enable()
-            drain(batch_size)
-            profiler.disable()
+            print_profile(lambda: drain(batch_size), args.profile)
             purge()
-            out = io.StringIO()
-            stats = pstats.Stats(profiler, stream=out).sort_stats("tottime")
-            stats.print_stats(args.profile)
-            stats.sort_stats("cumulative").print_stats(args.profile)
-            print(out.getvalue())
 
 
 if __name__ == "__main__":

@@ -156,6 +156,11 @@ def _json_rows(columns: dict[str, str]) -> str:
     return f"(SELECT {values} FROM json_each(%s)) AS v"
 
 
+# The columns an insert of a record writes, in the order both inserts give their values.
+_INSERTED = ("owner_id", "scope", "key", "request_hash", "response_status", "response_body",
+             "created_at")  # fmt: skip
+
+
 def _insert_ignoring_held(
     *, owner, scope: str, digests: dict[str, str], keys: list[str], now: dt.datetime
 ) -> set[str]:
@@ -163,13 +168,11 @@ def _insert_ignoring_held(
     savepoint, and one round trip for any number of keys, inserted in the order given."""
     quote = connection.ops.quote_name
     table = quote(IdempotencyRecord._meta.db_table)
-    columns = ("owner_id", "scope", "key", "request_hash", "response_status", "response_body",
-               "created_at")  # fmt: skip
     rows = json.dumps([{"k": key, "h": digests[key]} for key in keys])
     at = connection.ops.adapt_datetimefield_value(now)
     with connection.cursor() as cursor:
         cursor.execute(
-            f"INSERT INTO {table} ({', '.join(map(quote, columns))}) "
+            f"INSERT INTO {table} ({', '.join(map(quote, _INSERTED))}) "
             f"SELECT %s, %s, v.k, v.h, 0, '{{}}', %s FROM {_json_rows({'k': 'text', 'h': 'text'})} "
             f"WHERE true ON CONFLICT DO NOTHING RETURNING {quote('key')}",
             [owner.pk, scope, at, rows],
@@ -183,12 +186,10 @@ def _insert_answered(
     """The record of a key with its answer, unless the key has one (or a holder, which
     this waits for): whether it was inserted."""
     quote = connection.ops.quote_name
-    columns = ("owner_id", "scope", "key", "request_hash", "response_status", "response_body",
-               "created_at")  # fmt: skip
     with connection.cursor() as cursor:
         cursor.execute(
             f"INSERT INTO {quote(IdempotencyRecord._meta.db_table)} "
-            f"({', '.join(map(quote, columns))}) VALUES (%s, %s, %s, %s, %s, %s, %s) "
+            f"({', '.join(map(quote, _INSERTED))}) VALUES (%s, %s, %s, %s, %s, %s, %s) "
             "ON CONFLICT DO NOTHING RETURNING 1",
             [owner.pk, scope, key, digest, answer.status, json.dumps(answer.body),
              connection.ops.adapt_datetimefield_value(now)],

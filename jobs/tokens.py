@@ -60,10 +60,10 @@ def tokens_revoke(*, tokens, now: dt.datetime) -> int:
 
 
 @functools.cache
-def _owner_query() -> tuple[str, list[str], list[tuple[int, list]]]:
-    """token_user's lookup on PostgreSQL: its SQL, the owner's fields it reads, and the
-    (position, converters) of those that convert database values (a custom user model's
-    JSON field, say). Every API request authenticates: building the ORM's join, filters
+def _owner_query() -> tuple[type, str, list[str], list[tuple[int, list]]]:
+    """token_user's lookup on PostgreSQL: the owner's model, its SQL, the owner's fields it
+    reads, and the (position, converters) of those that convert database values (a custom
+    user model's JSON field, say). Every API request authenticates: building the ORM's join, filters
     and instances each time cost about 2 ms of CPU a request (bench/profile_api.py
     --preview: 6.7 ms a request in one process before, 4.3 ms after), several times the
     database's work; the statement is the same every time."""
@@ -80,11 +80,11 @@ def _owner_query() -> tuple[str, list[str], list[tuple[int, list]]]:
         "AND (t.expires_at IS NULL OR t.expires_at > %s)"
     )
     converters = [
-        (index, field.get_db_converters(connection))
+        (index, found)
         for index, field in enumerate(fields)
-        if field.get_db_converters(connection)
+        if (found := field.get_db_converters(connection))
     ]
-    return sql, [field.attname for field in fields], converters
+    return user, sql, [field.attname for field in fields], converters
 
 
 def token_user(*, key: str, now: dt.datetime) -> AbstractBaseUser | None:
@@ -98,7 +98,7 @@ def token_user(*, key: str, now: dt.datetime) -> AbstractBaseUser | None:
             .first()
         )
         return token.owner if token is not None and token.owner.is_active else None
-    sql, fields, converters = _owner_query()
+    user, sql, fields, converters = _owner_query()
     with connection.cursor() as cursor:
         cursor.execute(sql, [token_digest(key), now])
         row = cursor.fetchone()
@@ -108,9 +108,7 @@ def token_user(*, key: str, now: dt.datetime) -> AbstractBaseUser | None:
     for index, field_converters in converters:
         for convert in field_converters:
             values[index] = convert(values[index], None, connection)
-    owner = ApiToken._meta.get_field("owner").related_model.from_db(
-        connection.alias, fields, values
-    )
+    owner = user.from_db(connection.alias, fields, values)
     return owner if owner.is_active else None
 
 
