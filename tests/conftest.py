@@ -114,7 +114,7 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture
-def stack(transactional_db, tmp_path):
+def stack(transactional_db, tmp_path, request):
     """Real processes on the test database and a purged queue; stopped before the flush."""
     from tests.processes import Stack, purge_queue
 
@@ -124,6 +124,24 @@ def stack(transactional_db, tmp_path):
         yield processes
     finally:
         processes.stop_all()
+        report = getattr(request.node, "rep_call", None)
+        if report is not None and report.failed:
+            # CI shows only the report: the processes' own last words go with it.
+            for name in processes.processes:
+                tail = processes.log(name).decode(errors="replace")[-STACK_LOG_TAIL:]
+                report.sections.append((f"process {name} (log tail)", tail))
+
+
+STACK_LOG_TAIL = 4000  # characters of each process's log shown with a failed test
+
+
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtest_makereport(item, call):
+    """Keep the call phase's report on the item, for the stack fixture's teardown."""
+    report = yield
+    if report.when == "call":
+        item.rep_call = report
+    return report
 
 
 _FIGURES: list[str] = []

@@ -86,15 +86,19 @@ def make_job(owner, *, now: dt.datetime | None = None, **overrides):
     return job_create(owner=owner, spec=job_spec(**overrides), now=now or dt.datetime.now(dt.UTC))
 
 
-def one_time_job(*, task: str, due_in: float = 0.0, args=(), **overrides):
-    """A one-time job of `owner()` due `due_in` seconds from the real now."""
+def one_time_job(
+    *, task: str, due_in: float = 0.0, due_at: dt.datetime | None = None, args=(), **overrides
+):
+    """A one-time job of `owner()` due `due_in` seconds from the real now (or at `due_at`:
+    jobs made one by one on a loaded machine then still fall due together)."""
     now = dt.datetime.now(dt.UTC)
+    due_at = due_at or now + dt.timedelta(seconds=due_in)
     return make_job(
         owner(),
         now=now,
         task=task,
         args=list(args),
-        schedule={"kind": "once", "run_at": (now + dt.timedelta(seconds=due_in)).isoformat()},
+        schedule={"kind": "once", "run_at": due_at.isoformat()},
         **overrides,
     )
 

@@ -69,7 +69,7 @@ def test_relay_killed_after_confirm_duplicate_refused_and_counted(stack, make_jo
     stack.scheduler()
     crashing = stack.relay("relay-crashing", SCHEDULER_FAILPOINTS="relay.after_confirm")
     crashing.wait(timeout=60)
-    assert crashing.returncode == -signal.SIGKILL
+    assert crashing.returncode == -signal.SIGKILL, stack.log("relay-crashing").decode()[-3000:]
     # The broker confirmed the message, but the row was never deleted.
     message = OutboxMessage.objects.get(run__job=job)
     assert message.state == OutboxState.PENDING

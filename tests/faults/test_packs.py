@@ -2,6 +2,8 @@
 reserved together, and a poison run inside a pack. Nothing is lost, nothing is doubled
 beyond the one run that may have been running, and only that run is charged."""
 
+import datetime as dt
+
 import pytest
 
 from jobs.models import Attempt, AttemptState, FailureReason, Run, RunState
@@ -22,8 +24,10 @@ def test_a_worker_killed_mid_pack_loses_nothing_and_charges_one_run_per_kill(sta
     stack.scheduler("scheduler", "--queued-after", "5", "--reconcile-interval", "1")
     stack.relay()
     stack.worker(concurrency=1)
+    # Due together, after all are made: materialized in one pass, published as full packs.
+    due = dt.datetime.now(dt.UTC) + dt.timedelta(seconds=3)
     jobs = [
-        one_time_job(task="faults.packed_work", due_in=1, args=[0.2], heartbeat_timeout_seconds=2,
+        one_time_job(task="faults.packed_work", due_at=due, args=[0.2], heartbeat_timeout_seconds=2,
                      retry={"max_attempts": 2, "initial_delay_seconds": 0, "jitter": False})
         for _ in range(20)
     ]  # fmt: skip
@@ -54,8 +58,9 @@ def test_a_poison_run_in_a_pack_fails_after_its_budget_and_its_pack_mates_succee
     stack.worker(concurrency=1)
     retry = {"max_attempts": 2, "initial_delay_seconds": 0, "jitter": False}
     kinds = ["ok"] * 3 + ["poison"] + ["ok"] * 4
+    due = dt.datetime.now(dt.UTC) + dt.timedelta(seconds=3)
     jobs = [
-        one_time_job(task="faults.packed_poison", due_in=1, args=[kind],
+        one_time_job(task="faults.packed_poison", due_at=due, args=[kind],
                      heartbeat_timeout_seconds=2, retry=retry)
         for kind in kinds
     ]  # fmt: skip
