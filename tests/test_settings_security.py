@@ -79,3 +79,23 @@ def test_var_files_are_their_owners_only_on_embedded_defaults(tmp_path):
         if stat.S_IMODE(p.stat().st_mode) != (0o700 if p.is_dir() else 0o600)
     }
     assert wrong == {}
+
+
+def test_processes_started_together_share_one_whole_secret_key(tmp_path):
+    """Embedded defaults: processes started at once (a scheduler and a relay) race to make
+    var/secret_key; none fails and none reads a half-written key."""
+    var = tmp_path / "var"
+    env = _env(SCHEDULER_VAR_DIR=str(var))
+    env.pop("DJANGO_SECRET_KEY", None)
+    show_key = "import django; django.setup(); from django.conf import settings; print(settings.SECRET_KEY)"
+    processes = [
+        subprocess.Popen([sys.executable, "-c", show_key], cwd=ROOT, env=env, text=True,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        for _ in range(8)
+    ]  # fmt: skip
+    outputs = [process.communicate(timeout=120) for process in processes]
+    assert [process.returncode for process in processes] == [0] * 8, outputs
+    keys = {stdout.strip() for stdout, _ in outputs}
+    assert keys == {(var / "secret_key").read_text().strip()}
+    assert len(keys.pop()) >= 50
+    assert sorted(p.name for p in var.iterdir() if p.name.startswith(".secret_key")) == []

@@ -28,11 +28,24 @@ def _secret_key() -> str:
     if env.DJANGO_SECRET_KEY:
         return env.DJANGO_SECRET_KEY
     # Embedded defaults: one random key per installation, kept beside the database.
+    # Processes started together race to make it: each writes a whole key aside and links
+    # it into place (atomic; the first link wins), so none reads a half-written or empty
+    # key, and none fails because another made it first.
     path = VAR_DIR / "secret_key"
     if not path.exists():
-        descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, PRIVATE_FILE_MODE)
-        with os.fdopen(descriptor, "w") as file:
-            file.write(secrets.token_urlsafe(50))
+        aside = VAR_DIR / f".secret_key.{os.getpid()}"
+        descriptor = os.open(aside, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, PRIVATE_FILE_MODE)
+        try:
+            with os.fdopen(descriptor, "w") as file:
+                file.write(secrets.token_urlsafe(50))
+                file.flush()
+                os.fsync(file.fileno())
+            try:
+                os.link(aside, path)
+            except FileExistsError:
+                pass
+        finally:
+            aside.unlink(missing_ok=True)
     path.chmod(PRIVATE_FILE_MODE)
     return path.read_text().strip()
 
