@@ -87,7 +87,10 @@ def test_processes_started_together_share_one_whole_secret_key(tmp_path):
     var = tmp_path / "var"
     env = _env(SCHEDULER_VAR_DIR=str(var))
     env.pop("DJANGO_SECRET_KEY", None)
-    show_key = "import django; django.setup(); from django.conf import settings; print(settings.SECRET_KEY)"
+    show_key = (
+        "import django; django.setup()\n"
+        "from django.conf import settings; print(settings.SECRET_KEY)"
+    )
     processes = [
         subprocess.Popen([sys.executable, "-c", show_key], cwd=ROOT, env=env, text=True,
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE)
