@@ -160,6 +160,13 @@ def partitions_run_once(*, now: dt.datetime, config: PartitionsConfig) -> Partit
         notify(CHANNEL_PARTITIONS)  # the others hand over to it now, not at their renewal
     if acquired or handed_over:
         notify(CHANNEL_SCHEDULE)  # the schedulers look again at what is theirs and due
+    if acquired or handed_over or stepped_down:
+        log.info(
+            "partitions: holding %d (share %d of %d among %d replicas): %d acquired, "
+            "%d handed over, %d stepped down from",
+            len(held) + len(acquired), share, count, len(replicas), len(acquired),
+            handed_over, stepped_down,
+        )  # fmt: skip
     foreign = [at for holder, at in replicas.items() if holder != me]
     foreign += [earliest for holder, (_, earliest) in leases.items() if holder != me]
     return PartitionsResult(

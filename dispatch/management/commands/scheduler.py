@@ -10,6 +10,7 @@ from collections.abc import Callable
 from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError
 from django.db import connection
+from django.db.backends.signals import connection_created
 
 from dispatch.loop import StopSignal, run_loop, run_once_step
 from dispatch.partitions import (
@@ -75,6 +76,7 @@ class Command(BaseCommand):
         except ValueError as exc:  # a Config refusing an option's value
             raise CommandError(str(exc)) from exc
         if self.keeper is not None:
+            connection_created.connect(self._bound_idle_transactions, weak=False)
             self.keeper.first_pass()  # alone, it dispatches every partition from its first pass
         self.stdout.write("scheduler started")
         for loop in loops:
@@ -154,6 +156,20 @@ class Command(BaseCommand):
                 )
             )
         return loops
+
+    def _bound_idle_transactions(self, sender, connection, **kwargs) -> None:
+        """A replica frozen (SIGSTOP) inside a pass's transaction would keep its claimed jobs
+        locked while the replicas that took its partitions over pass them by (SKIP LOCKED):
+        PostgreSQL ends the scheduler loop's session once idle in a transaction for a lease
+        period, so the locks go with the leases. A pass is never idle that long between
+        its statements (its work in Python takes milliseconds)."""
+        if threading.current_thread().name == "scheduler":
+            milliseconds = int(self.keeper.config.lease_seconds * 1000)
+            with connection.cursor() as cursor:
+                cursor.execute(
+                    "SELECT set_config('idle_in_transaction_session_timeout', %s, false)",
+                    [str(milliseconds)],
+                )
 
     def loop(
         self,
