@@ -89,19 +89,15 @@ class Command(BaseCommand):
 
     def loops(self, options: dict, stop: StopSignal) -> list[threading.Thread]:
         """The loops this process runs, by its options; ValueError for a value out of range."""
+        lease = options["partition_lease_seconds"]
+        partitions = PartitionsConfig(
+            holder=replica_holder(),
+            partitions=settings.SCHEDULER_PARTITIONS,
+            lease_seconds=settings.SCHEDULER_PARTITION_LEASE_SECONDS if lease is None else lease,
+        )
         self.keeper = None
         if connection.vendor == "postgresql":  # SQLite: one scheduler, every partition
-            lease = options["partition_lease_seconds"]
-            self.keeper = PartitionKeeper(
-                PartitionsConfig(
-                    holder=replica_holder(),
-                    partitions=settings.SCHEDULER_PARTITIONS,
-                    lease_seconds=settings.SCHEDULER_PARTITION_LEASE_SECONDS
-                    if lease is None
-                    else lease,
-                ),
-                Listener((CHANNEL_PARTITIONS,), stop),
-            )
+            self.keeper = PartitionKeeper(partitions, Listener((CHANNEL_PARTITIONS,), stop))
         scheduler = SchedulerConfig(
             batch_size=options["batch_size"],
             poll_interval=options["poll_interval"],
