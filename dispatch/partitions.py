@@ -249,15 +249,18 @@ def _acquire(
     cursor, *, config: PartitionsConfig, want: int, now: dt.datetime, until: dt.datetime
 ) -> set[int]:
     """Up to `want` partitions: free ones first (no lease row), then expired ones taken
-    over. In random order, so replicas acquiring together mostly take different ones."""
+    over. Chosen at random, so replicas acquiring together mostly take different ones;
+    inserted in partition order, so two inserts that meet wait on each other in one
+    direction only (in random order they deadlocked)."""
     values = {"me": config.holder, "until": until, "now": now, "count": config.partitions}
     cursor.execute(
         f"""
         INSERT INTO {LEASE} (partition, holder, expires_at, acquired_at)
         SELECT free, %(me)s, %(until)s, %(now)s
-          FROM generate_series(0, %(count)s - 1) AS free
-         WHERE NOT EXISTS (SELECT 1 FROM {LEASE} WHERE partition = free)
-         ORDER BY random() LIMIT %(want)s
+          FROM (SELECT free FROM generate_series(0, %(count)s - 1) AS free
+                 WHERE NOT EXISTS (SELECT 1 FROM {LEASE} WHERE partition = free)
+                 ORDER BY random() LIMIT %(want)s) AS chosen
+         ORDER BY free
         ON CONFLICT (partition) DO NOTHING
         RETURNING partition
         """,

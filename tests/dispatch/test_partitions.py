@@ -231,3 +231,40 @@ def test_the_promoter_and_the_next_due_instant_keep_to_the_partitions_held(make_
     assert queued == mine
     assert scheduler_next_due(now=at(6), scope=scope) == first_mine  # not others' at(10)
     assert scheduler_next_due(now=at(6)) == at(5)  # unpartitioned: everyone's
+
+
+@pytest.mark.django_db(transaction=True)
+def test_replicas_starting_together_share_every_partition_without_waiting_on_each_other():
+    """Three first passes at once, each on its own connection, then renewals at once, then
+    passes after every lease expired: no deadlock, every partition held once (the primary
+    key), none beyond a replica's share."""
+    import threading
+
+    from django.db import connections
+
+    barrier = threading.Barrier(3)
+    errors = []
+
+    def replica(holder: str) -> None:
+        try:
+            barrier.wait(10)
+            once(holder, at(0))
+            barrier.wait(10)
+            once(holder, at(1))
+            barrier.wait(10)
+            once(holder, at(30))  # every lease expired: all step down and race again
+        except Exception as exc:  # noqa: BLE001 - reported by the test
+            errors.append(exc)
+        finally:
+            connections.close_all()
+
+    threads = [threading.Thread(target=replica, args=(name,)) for name in "abc"]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    assert errors == [] and not any(thread.is_alive() for thread in threads)
+    for holder in "abc":  # a last round: each takes what the collisions left
+        once(holder, at(31))
+    held = holdings(at(31))
+    assert sum(held.values()) == 64 and max(held.values()) <= 22, held
