@@ -18,7 +18,9 @@ period; each statement commits on its own, so no lock is held across statements:
    lease's holder in one conditional UPDATE: the partition is never unheld, so a joining
    replica takes its share without a pause in dispatch;
 5. below its share, it acquires free partitions (INSERT ... ON CONFLICT DO NOTHING) and
-   takes over expired ones (a conditional UPDATE), never beyond its share.
+   takes over expired ones (a conditional UPDATE), never beyond its share; the previous
+   holder's scheduler session, when still inside a transaction (a replica frozen mid-pass),
+   is ended, so the job rows it locked go with the partitions.
 
 The pass wakes again at the earliest expiry of another replica's lease or membership when
 that comes before its next renewal, so a dead (SIGKILL) or paused (SIGSTOP) replica's
@@ -100,15 +102,20 @@ class PartitionsResult:
     handed_over: int = 0  # surplus given to replicas below their share
     stepped_down: int = 0  # its leases found expired (or beyond the count): not held
     joined: bool = False  # its membership was new (or had expired)
+    sessions_ended: int = 0  # scheduler sessions of replicas it took over from, ended
     # Until the next expiry of another replica's lease or membership (None: none live).
     next_expiry_seconds: float | None = None
 
 
-def partitions_run_once(*, now: dt.datetime, config: PartitionsConfig) -> PartitionsResult:
+def partitions_run_once(
+    *, now: dt.datetime, config: PartitionsConfig, session: tuple | None = None
+) -> PartitionsResult:
+    """One pass; `session`: (pid, backend_start) of this replica's scheduler loop's
+    database session, recorded with its membership."""
     until = now + dt.timedelta(seconds=config.lease_seconds)
     me, count = config.holder, config.partitions
     with connection.cursor() as cursor:
-        joined = _membership_renew(cursor, me=me, now=now, until=until)
+        joined = _membership_renew(cursor, me=me, now=now, until=until, session=session)
         cursor.execute(
             f"""
             WITH gone AS (DELETE FROM {REPLICA} WHERE expires_at < %(stale)s)
@@ -147,15 +154,18 @@ def partitions_run_once(*, now: dt.datetime, config: PartitionsConfig) -> Partit
             )  # fmt: skip
             held -= handed
             handed_over = len(handed)
-        acquired = set()
+        acquired, previous = set(), set()
         for _ in range(ACQUIRE_ROUNDS):
             if len(held) + len(acquired) >= share:
                 break
-            gained = _acquire(cursor, config=config, want=share - len(held) - len(acquired),
-                              now=now, until=until)  # fmt: skip
+            gained, taken_from = _acquire(cursor, config=config,
+                                          want=share - len(held) - len(acquired),
+                                          now=now, until=until)  # fmt: skip
             if not gained:
                 break
             acquired |= gained
+            previous |= taken_from
+        sessions_ended = _sessions_end(cursor, holders=previous, now=now) if previous else 0
     if joined:
         notify(CHANNEL_PARTITIONS)  # the others hand over to it now, not at their renewal
     if acquired or handed_over:
@@ -178,24 +188,59 @@ def partitions_run_once(*, now: dt.datetime, config: PartitionsConfig) -> Partit
         handed_over=handed_over,
         stepped_down=stepped_down,
         joined=joined,
+        sessions_ended=sessions_ended,
         next_expiry_seconds=(min(foreign) - now).total_seconds() if foreign else None,
     )
 
 
-def _membership_renew(cursor, *, me: str, now: dt.datetime, until: dt.datetime) -> bool:
+def _membership_renew(
+    cursor, *, me: str, now: dt.datetime, until: dt.datetime, session: tuple | None
+) -> bool:
     """Insert or renew this replica's membership; True when it joins (no row before, or
     one that had expired: the others counted it gone)."""
+    pid, started_at = session or (None, None)
     cursor.execute(
         f"""
         WITH before AS (SELECT expires_at FROM {REPLICA} WHERE holder = %(me)s)
-        INSERT INTO {REPLICA} (holder, expires_at, joined_at)
-        VALUES (%(me)s, %(until)s, %(now)s)
-        ON CONFLICT (holder) DO UPDATE SET expires_at = EXCLUDED.expires_at
+        INSERT INTO {REPLICA} (holder, expires_at, joined_at, session_pid, session_started_at)
+        VALUES (%(me)s, %(until)s, %(now)s, %(pid)s, %(started_at)s)
+        ON CONFLICT (holder) DO UPDATE
+           SET expires_at = EXCLUDED.expires_at,
+               -- the scheduler thread records each new session itself, at once
+               session_pid = coalesce({REPLICA}.session_pid, EXCLUDED.session_pid),
+               session_started_at = coalesce({REPLICA}.session_started_at,
+                                             EXCLUDED.session_started_at)
         RETURNING (SELECT coalesce(bool_and(expires_at < %(now)s), true) FROM before)
         """,
-        {"me": me, "until": until, "now": now},
+        {"me": me, "until": until, "now": now, "pid": pid, "started_at": started_at},
     )  # fmt: skip
     return cursor.fetchone()[0]
+
+
+def _sessions_end(cursor, *, holders: set[str], now: dt.datetime) -> int:
+    """End the scheduler sessions of replicas whose expired leases were just taken over,
+    if still inside a transaction: a replica frozen (SIGSTOP) in the middle of a pass keeps
+    the job rows it claimed locked, and every other replica's SKIP LOCKED passes them by
+    until its session ends. Only replicas whose membership expired too (a replica alive
+    enough to renew it keeps its session), and only the very session recorded (pid and
+    backend_start). Needs the same database role for every scheduler (or
+    pg_signal_backend)."""
+    cursor.execute(
+        f"""
+        SELECT count(*) FILTER (WHERE pg_terminate_backend(activity.pid))
+          FROM {REPLICA} AS replica
+          JOIN pg_stat_activity AS activity
+            ON activity.pid = replica.session_pid
+           AND activity.backend_start = replica.session_started_at
+         WHERE replica.holder = ANY(%(holders)s) AND replica.expires_at < %(now)s
+           AND activity.xact_start IS NOT NULL
+        """,
+        {"holders": sorted(holders), "now": now},
+    )  # fmt: skip
+    ended = cursor.fetchone()[0]
+    if ended:
+        log.warning("ended %d scheduler sessions of replicas whose leases expired", ended)
+    return ended
 
 
 def _recipients(
@@ -247,11 +292,12 @@ def _hand_over(
 
 def _acquire(
     cursor, *, config: PartitionsConfig, want: int, now: dt.datetime, until: dt.datetime
-) -> set[int]:
+) -> tuple[set[int], set[str]]:
     """Up to `want` partitions: free ones first (no lease row), then expired ones taken
-    over. Chosen at random, so replicas acquiring together mostly take different ones;
-    inserted in partition order, so two inserts that meet wait on each other in one
-    direction only (in random order they deadlocked)."""
+    over; returns them, and the holders of those taken over. Chosen at random, so
+    replicas acquiring together mostly take different ones; inserted in partition order,
+    so two inserts that meet wait on each other in one direction only (in random order
+    they deadlocked)."""
     values = {"me": config.holder, "until": until, "now": now, "count": config.partitions}
     cursor.execute(
         f"""
@@ -266,22 +312,25 @@ def _acquire(
         """,
         {**values, "want": want},
     )  # fmt: skip
-    gained = {row[0] for row in cursor.fetchall()}
+    gained, previous = {row[0] for row in cursor.fetchall()}, set()
     if len(gained) < want:
         cursor.execute(
             f"""
-            UPDATE {LEASE} SET holder = %(me)s, expires_at = %(until)s, acquired_at = %(now)s
-             WHERE partition IN (SELECT partition FROM {LEASE}
-                                  WHERE expires_at < %(now)s AND partition < %(count)s
-                                  ORDER BY random() LIMIT %(want)s
-                                  FOR UPDATE SKIP LOCKED)
-               AND expires_at < %(now)s
-            RETURNING partition
+            UPDATE {LEASE} AS lease
+               SET holder = %(me)s, expires_at = %(until)s, acquired_at = %(now)s
+              FROM (SELECT partition, holder FROM {LEASE}
+                     WHERE expires_at < %(now)s AND partition < %(count)s
+                     ORDER BY random() LIMIT %(want)s
+                     FOR UPDATE SKIP LOCKED) AS expired
+             WHERE lease.partition = expired.partition AND lease.expires_at < %(now)s
+            RETURNING lease.partition, expired.holder
             """,
             {**values, "want": want - len(gained)},
         )  # fmt: skip
-        gained |= {row[0] for row in cursor.fetchall()}
-    return gained
+        for partition, holder in cursor.fetchall():
+            gained.add(partition)
+            previous.add(holder)
+    return gained, previous
 
 
 def partitions_release(*, holder: str) -> int:
@@ -304,12 +353,40 @@ class PartitionKeeper:
     def __init__(self, config: PartitionsConfig, listener: Listener) -> None:
         self.config = config
         self.listener = listener
+        # (pid, backend_start) of the scheduler loop's current database session.
+        self.session: tuple | None = None
+
+    def scheduler_session_opened(self, connection) -> None:
+        """Called on the scheduler loop's thread as it opens a database session (every
+        CONN_MAX_AGE): recorded with the membership at once, before the session's first
+        transaction (see _sessions_end), and by the passes when they insert it again."""
+        with connection.cursor() as cursor:
+            cursor.execute(
+                f"""
+                UPDATE {REPLICA}
+                   SET session_pid = activity.pid, session_started_at = activity.backend_start
+                  FROM pg_stat_activity AS activity
+                 WHERE activity.pid = pg_backend_pid() AND holder = %s
+                RETURNING activity.pid, activity.backend_start
+                """,
+                [self.config.holder],
+            )  # fmt: skip
+            row = cursor.fetchone()
+            if row is None:  # no membership yet: the next pass inserts it with this session
+                cursor.execute(
+                    "SELECT pid, backend_start FROM pg_stat_activity WHERE pid = pg_backend_pid()"
+                )
+                row = cursor.fetchone()
+            self.session = tuple(row)
+
+    def run_once(self, *, now: dt.datetime, config: PartitionsConfig) -> PartitionsResult:
+        return partitions_run_once(now=now, config=config, session=self.session)
 
     def first_pass(self) -> PartitionsResult | None:
         """One pass before the scheduler's first: a replica starting alone dispatches every
         partition from its first pass. An outage is left to the loop's retries."""
         try:
-            return partitions_run_once(now=db_now(), config=self.config)
+            return self.run_once(now=db_now(), config=self.config)
         except DatabaseError as exc:
             log.warning("first partition lease pass failed, the loop retries: %r", exc)
             return None

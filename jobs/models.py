@@ -466,6 +466,11 @@ class SchedulerReplica(models.Model):
     holder = models.CharField(max_length=200, primary_key=True)
     expires_at = models.DateTimeField()
     joined_at = models.DateTimeField()
+    # Its scheduler loop's database session (pg_backend_pid, and its backend_start, so a
+    # recycled pid is never taken for it): ended by the replica that takes its expired
+    # leases over, so the job rows a frozen pass keeps locked go with the partitions.
+    session_pid = models.IntegerField(null=True, blank=True)
+    session_started_at = models.DateTimeField(null=True, blank=True)
 
     class Meta:
         db_table = "jobs_scheduler_replica"

@@ -30,6 +30,8 @@ class Migration(migrations.Migration):
                 ('holder', models.CharField(max_length=200, primary_key=True, serialize=False)),
                 ('expires_at', models.DateTimeField()),
                 ('joined_at', models.DateTimeField()),
+                ('session_pid', models.IntegerField(blank=True, null=True)),
+                ('session_started_at', models.DateTimeField(blank=True, null=True)),
             ],
             options={
                 'db_table': 'jobs_scheduler_replica',

@@ -268,3 +268,62 @@ def test_replicas_starting_together_share_every_partition_without_waiting_on_eac
         once(holder, at(31))
     held = holdings(at(31))
     assert sum(held.values()) == 64 and max(held.values()) <= 22, held
+
+
+@pytest.mark.django_db(transaction=True)
+def test_taking_over_a_frozen_replicas_leases_ends_its_session_and_frees_its_jobs(make_job):
+    """b froze in the middle of a pass, its claimed job locked: the replica that takes b's
+    expired leases over ends b's recorded session, so the job is claimed at once rather
+    than skipped (SKIP LOCKED) for as long as b stays frozen."""
+    from django.db import DatabaseError, connections
+
+    from tests.processes import wait_for
+
+    (job,) = due_jobs(make_job, 1)
+    frozen = connections.create_connection("default")  # b's scheduler session
+    try:
+        with frozen.cursor() as cursor:
+            cursor.execute(
+                "SELECT pid, backend_start FROM pg_stat_activity WHERE pid = pg_backend_pid()"
+            )
+            session = cursor.fetchone()
+        lapsed = config("b", partitions=4, lease=2.0)
+        partitions_run_once(now=db_now() - dt.timedelta(seconds=3), config=lapsed, session=session)
+        frozen.set_autocommit(False)
+        with frozen.cursor() as cursor:  # its pass claimed the job, then b froze
+            cursor.execute("SELECT id FROM jobs_job WHERE id = %s FOR UPDATE", [job.id])
+
+        result = partitions_run_once(now=db_now(), config=config("a", partitions=4))
+
+        assert (result.acquired, result.sessions_ended) == (4, 1)
+        claim = MaterializerConfig(scope=PartitionScope(holder="a", partitions=4))
+        wait_for(
+            lambda: materializer_run_once(now=NOW, config=claim).runs_created == 1,
+            timeout=10,
+            interval=0.05,
+            message="the job b had locked to be claimed by a",
+        )
+        with pytest.raises(DatabaseError):  # b, resumed, finds its session ended
+            with frozen.cursor() as cursor:
+                cursor.execute("SELECT 1")
+    finally:
+        frozen.close()
+
+
+@pytest.mark.django_db
+def test_a_replica_that_still_renews_its_membership_keeps_its_session(make_job):
+    """Its leases expired (a stalled lease loop) but it is alive: only its partitions move."""
+    from django.db import connection
+
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT pid, backend_start FROM pg_stat_activity WHERE pid = pg_backend_pid()"
+        )
+        session = cursor.fetchone()
+    partitions_run_once(now=db_now() - dt.timedelta(seconds=3), config=config("b", 4, 2.0),
+                        session=session)  # fmt: skip
+    SchedulerReplica.objects.filter(holder="b").update(
+        expires_at=db_now() + dt.timedelta(seconds=60)
+    )
+    result = partitions_run_once(now=db_now(), config=config("a", partitions=4))
+    assert (result.acquired, result.sessions_ended) == (2, 0)  # a's share of two replicas

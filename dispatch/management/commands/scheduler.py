@@ -13,12 +13,7 @@ from django.db import connection
 from django.db.backends.signals import connection_created
 
 from dispatch.loop import StopSignal, run_loop, run_once_step
-from dispatch.partitions import (
-    PartitionKeeper,
-    PartitionsConfig,
-    partitions_run_once,
-    replica_holder,
-)
+from dispatch.partitions import PartitionKeeper, PartitionsConfig, replica_holder
 from dispatch.pruner import PrunerConfig, pruner_run_once
 from dispatch.reaper import OutageGrace, ReaperConfig, reaper_run_once
 from dispatch.reconciler import BrokerQueueDepth, ReconcileConfig, reconcile_run_once
@@ -76,7 +71,7 @@ class Command(BaseCommand):
         except ValueError as exc:  # a Config refusing an option's value
             raise CommandError(str(exc)) from exc
         if self.keeper is not None:
-            connection_created.connect(self._bound_idle_transactions, weak=False)
+            connection_created.connect(self._scheduler_session_opened, weak=False)
             self.keeper.first_pass()  # alone, it dispatches every partition from its first pass
         self.stdout.write("scheduler started")
         for loop in loops:
@@ -117,7 +112,7 @@ class Command(BaseCommand):
         ]
         if self.keeper is not None:
             step = run_once_step(
-                partitions_run_once, self.keeper.config, sleep=self.keeper.sleep_seconds
+                self.keeper.run_once, self.keeper.config, sleep=self.keeper.sleep_seconds
             )
             loops.append(
                 self.loop("partitions", step, stop, wait=self.keeper.wait, close=self.keeper.close)
@@ -153,19 +148,12 @@ class Command(BaseCommand):
             )
         return loops
 
-    def _bound_idle_transactions(self, sender, connection, **kwargs) -> None:
-        """A replica frozen (SIGSTOP) inside a pass's transaction would keep its claimed jobs
-        locked while the replicas that took its partitions over pass them by (SKIP LOCKED):
-        PostgreSQL ends the scheduler loop's session once idle in a transaction for a lease
-        period, so the locks go with the leases. A pass is never idle that long between
-        its statements (its work in Python takes milliseconds)."""
+    def _scheduler_session_opened(self, sender, connection, **kwargs) -> None:
+        """The scheduler loop's database session is recorded with the replica's membership:
+        a replica that takes its partitions over after a freeze ends it (dispatch.partitions),
+        so the job rows a frozen pass keeps locked go with the partitions."""
         if threading.current_thread().name == "scheduler":
-            milliseconds = int(self.keeper.config.lease_seconds * 1000)
-            with connection.cursor() as cursor:
-                cursor.execute(
-                    "SELECT set_config('idle_in_transaction_session_timeout', %s, false)",
-                    [str(milliseconds)],
-                )
+            self.keeper.scheduler_session_opened(connection)
 
     def loop(
         self,
