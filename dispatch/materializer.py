@@ -48,6 +48,7 @@ from jobs.services import job_pause, jobs_pause_if_failing, run_cancel_request
 from jobs.transitions import ACTIVE_RUN_STATES, jobs_advance
 
 from .config import config_require
+from .failpoints import failpoint
 
 # Occurrences (run or skipped) one job turns into rows in one pass; a longer backlog goes
 # on in the next passes, so an outage of any length costs bounded transactions.
@@ -154,6 +155,7 @@ def _materialize_due_jobs(
     claimed = _claim_due_jobs(now=now, limit=limit, scope=scope)
     if not claimed:
         return MaterializerResult()
+    failpoint("materializer.after_claim")  # the claimed jobs locked, nothing written yet
     # Every query a policy needs is one per batch, and only made when a job of the batch
     # has the policy: a batch of one-time jobs without policies costs the claim and one
     # statement that writes the runs, their outbox rows and the jobs' next_run_at.

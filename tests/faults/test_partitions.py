@@ -168,3 +168,47 @@ def test_a_replica_stopped_with_sigterm_hands_its_partitions_over_at_once(stack,
         f"lease 60 s: a joining replica had its half {shared:.2f}s after its membership "
         f"showed; a SIGTERMed one's half had moved {moved:.2f}s after it exited"
     )
+
+
+def _state(pid: int) -> str:
+    """The process's state letter in /proc (T: stopped)."""
+    with open(f"/proc/{pid}/stat") as stat:
+        return stat.read().rsplit(")", 1)[1].split()[0]
+
+
+def test_a_replica_frozen_with_claimed_jobs_locked_loses_them_with_its_leases(stack, report_figure):
+    """scheduler-a freezes (SIGSTOP, by a failpoint) right after its claim, the due jobs of
+    its partitions locked in its open transaction. scheduler-b takes a's partitions over as
+    its leases expire and ends a's session, so those jobs get their runs from b within a
+    lease period; a is never resumed."""
+    lease = ("--partition-lease-seconds", str(LEASE_SECONDS))
+    stack.scheduler("scheduler-a", *lease, SCHEDULER_FAILPOINTS="materializer.after_claim=stop")
+    stack.scheduler("scheduler-b", *lease)
+    first, second = holder_of(stack, "scheduler-a"), holder_of(stack, "scheduler-b")
+    wait_for(
+        lambda: holdings() == {first: PARTITIONS // 2, second: PARTITIONS // 2},
+        timeout=10,
+        message="two replicas to share the partitions",
+    )
+    due = dt.datetime.now(dt.UTC) + dt.timedelta(seconds=2)
+    jobs = [one_time_job(task="faults.work", due_at=due) for _ in range(20)]
+
+    wait_for(lambda: _state(stack.processes["scheduler-a"].pid) == "T", timeout=20,
+             message="scheduler-a to freeze with its claim")  # fmt: skip
+    wait_for(
+        lambda: Run.objects.count() == len(jobs),
+        timeout=LEASE_SECONDS + 15,
+        interval=0.1,
+        message="every job's run, a's included",
+    )
+    assert _state(stack.processes["scheduler-a"].pid) == "T"  # still frozen throughout
+    stack.kill("scheduler-a")  # a SIGTERM would wait for a SIGCONT
+    assert b"ended 1 scheduler sessions" in stack.log("scheduler-b")
+    per_job = dict(Run.objects.values_list("job_id").annotate(n=Count("id")))
+    assert per_job == {job.id: 1 for job in jobs}
+    lateness = max((run.created_at - run.due_at).total_seconds() for run in Run.objects.all())
+    assert lateness <= LEASE_SECONDS + LATENESS_MARGIN_SECONDS
+    report_figure(
+        f"a replica frozen with its claim locked, lease {LEASE_SECONDS}s: its jobs' runs "
+        f"created by the other at most {lateness:.2f}s after due"
+    )
