@@ -18,9 +18,11 @@ period; each statement commits on its own, so no lock is held across statements:
    lease's holder in one conditional UPDATE: the partition is never unheld, so a joining
    replica takes its share without a pause in dispatch;
 5. below its share, it acquires free partitions (INSERT ... ON CONFLICT DO NOTHING) and
-   takes over expired ones (a conditional UPDATE), never beyond its share; the previous
-   holder's scheduler session, when still inside a transaction (a replica frozen mid-pass),
-   is ended, so the job rows it locked go with the partitions.
+   takes over expired ones (a conditional UPDATE), never beyond its share.
+
+A replica whose membership expired has its scheduler session ended if it is still inside
+a transaction (a replica frozen mid-pass), so the job rows it locked go with its
+partitions.
 
 The pass wakes again at the earliest expiry of another replica's lease or membership when
 that comes before its next renewal, so a dead (SIGKILL) or paused (SIGSTOP) replica's
@@ -102,7 +104,7 @@ class PartitionsResult:
     handed_over: int = 0  # surplus given to replicas below their share
     stepped_down: int = 0  # its leases found expired (or beyond the count): not held
     joined: bool = False  # its membership was new (or had expired)
-    sessions_ended: int = 0  # scheduler sessions of replicas it took over from, ended
+    sessions_ended: int = 0  # scheduler sessions of replicas gone (expired), ended
     # Until the next expiry of another replica's lease or membership (None: none live).
     next_expiry_seconds: float | None = None
 
@@ -119,12 +121,14 @@ def partitions_run_once(
         cursor.execute(
             f"""
             WITH gone AS (DELETE FROM {REPLICA} WHERE expires_at < %(stale)s)
-            SELECT holder, expires_at FROM {REPLICA} WHERE expires_at >= %(now)s
+            SELECT holder, expires_at FROM {REPLICA}
             """,
-            {"now": now, "stale": now - dt.timedelta(seconds=config.lease_seconds)},
+            {"stale": now - dt.timedelta(seconds=config.lease_seconds)},
         )  # fmt: skip
-        replicas = dict(cursor.fetchall())
-        replicas[me] = until
+        members = dict(cursor.fetchall())
+        replicas = {holder: at for holder, at in members.items() if at >= now} | {me: until}
+        gone = [holder for holder, at in members.items() if at < now]
+        sessions_ended = _sessions_end(cursor, holders=gone, now=now) if gone else 0
         share = math.ceil(count / len(replicas))
         cursor.execute(
             f"""UPDATE {LEASE} SET expires_at = %(until)s
@@ -154,18 +158,15 @@ def partitions_run_once(
             )  # fmt: skip
             held -= handed
             handed_over = len(handed)
-        acquired, previous = set(), set()
+        acquired = set()
         for _ in range(ACQUIRE_ROUNDS):
             if len(held) + len(acquired) >= share:
                 break
-            gained, taken_from = _acquire(cursor, config=config,
-                                          want=share - len(held) - len(acquired),
-                                          now=now, until=until)  # fmt: skip
+            gained = _acquire(cursor, config=config, want=share - len(held) - len(acquired),
+                              now=now, until=until)  # fmt: skip
             if not gained:
                 break
             acquired |= gained
-            previous |= taken_from
-        sessions_ended = _sessions_end(cursor, holders=previous, now=now) if previous else 0
     if joined:
         notify(CHANNEL_PARTITIONS)  # the others hand over to it now, not at their renewal
     if acquired or handed_over:
@@ -217,14 +218,15 @@ def _membership_renew(
     return cursor.fetchone()[0]
 
 
-def _sessions_end(cursor, *, holders: set[str], now: dt.datetime) -> int:
-    """End the scheduler sessions of replicas whose expired leases were just taken over,
-    if still inside a transaction: a replica frozen (SIGSTOP) in the middle of a pass keeps
-    the job rows it claimed locked, and every other replica's SKIP LOCKED passes them by
-    until its session ends. Only replicas whose membership expired too (a replica alive
-    enough to renew it keeps its session), and only the very session recorded (pid and
-    backend_start). Needs the same database role for every scheduler (or
-    pg_signal_backend)."""
+def _sessions_end(cursor, *, holders: list[str], now: dt.datetime) -> int:
+    """End the scheduler sessions of replicas whose membership expired (their leases
+    expire with it, and move), if still inside a transaction: a replica frozen (SIGSTOP)
+    in the middle of a pass keeps the job rows it claimed locked, and every other
+    replica's SKIP LOCKED passes them by until its session ends. A replica alive enough to
+    renew its membership keeps its session; only the very session recorded is ended (pid
+    and backend_start). Any replica may do it (a session already ended no longer
+    matches), in the passes of the lease period before the membership row is deleted.
+    Needs the same database role for every scheduler (or pg_signal_backend)."""
     cursor.execute(
         f"""
         SELECT count(*) FILTER (WHERE pg_terminate_backend(activity.pid))
@@ -235,11 +237,11 @@ def _sessions_end(cursor, *, holders: set[str], now: dt.datetime) -> int:
          WHERE replica.holder = ANY(%(holders)s) AND replica.expires_at < %(now)s
            AND activity.xact_start IS NOT NULL
         """,
-        {"holders": sorted(holders), "now": now},
+        {"holders": holders, "now": now},
     )  # fmt: skip
     ended = cursor.fetchone()[0]
     if ended:
-        log.warning("ended %d scheduler sessions of replicas whose leases expired", ended)
+        log.warning("ended %d scheduler sessions of replicas whose membership expired", ended)
     return ended
 
 
@@ -292,12 +294,11 @@ def _hand_over(
 
 def _acquire(
     cursor, *, config: PartitionsConfig, want: int, now: dt.datetime, until: dt.datetime
-) -> tuple[set[int], set[str]]:
+) -> set[int]:
     """Up to `want` partitions: free ones first (no lease row), then expired ones taken
-    over; returns them, and the holders of those taken over. Chosen at random, so
-    replicas acquiring together mostly take different ones; inserted in partition order,
-    so two inserts that meet wait on each other in one direction only (in random order
-    they deadlocked)."""
+    over. Chosen at random, so replicas acquiring together mostly take different ones;
+    inserted in partition order, so two inserts that meet wait on each other in one
+    direction only (in random order they deadlocked)."""
     values = {"me": config.holder, "until": until, "now": now, "count": config.partitions}
     cursor.execute(
         f"""
@@ -312,25 +313,22 @@ def _acquire(
         """,
         {**values, "want": want},
     )  # fmt: skip
-    gained, previous = {row[0] for row in cursor.fetchall()}, set()
+    gained = {row[0] for row in cursor.fetchall()}
     if len(gained) < want:
         cursor.execute(
             f"""
-            UPDATE {LEASE} AS lease
-               SET holder = %(me)s, expires_at = %(until)s, acquired_at = %(now)s
-              FROM (SELECT partition, holder FROM {LEASE}
-                     WHERE expires_at < %(now)s AND partition < %(count)s
-                     ORDER BY random() LIMIT %(want)s
-                     FOR UPDATE SKIP LOCKED) AS expired
-             WHERE lease.partition = expired.partition AND lease.expires_at < %(now)s
-            RETURNING lease.partition, expired.holder
+            UPDATE {LEASE} SET holder = %(me)s, expires_at = %(until)s, acquired_at = %(now)s
+             WHERE partition IN (SELECT partition FROM {LEASE}
+                                  WHERE expires_at < %(now)s AND partition < %(count)s
+                                  ORDER BY random() LIMIT %(want)s
+                                  FOR UPDATE SKIP LOCKED)
+               AND expires_at < %(now)s
+            RETURNING partition
             """,
             {**values, "want": want - len(gained)},
         )  # fmt: skip
-        for partition, holder in cursor.fetchall():
-            gained.add(partition)
-            previous.add(holder)
-    return gained, previous
+        gained |= {row[0] for row in cursor.fetchall()}
+    return gained
 
 
 def partitions_release(*, holder: str) -> int:
