@@ -1,15 +1,21 @@
 """Named crash points for the fault-injection tests.
 
 `SCHEDULER_FAILPOINTS=relay.after_confirm` makes the process SIGKILL itself when it reaches
-that point, exactly where a real crash would hurt most. Unset in production: a no-op.
+that point, exactly where a real crash would hurt most; `name=stop` makes it SIGSTOP itself
+there instead (frozen, its connections and locks kept, as a paused VM or a long GC would).
+Unset in production: a no-op.
 """
 
 import os
 import signal
 
-_ARMED = frozenset(filter(None, os.environ.get("SCHEDULER_FAILPOINTS", "").split(",")))
+_ARMED = dict(
+    (item.split("=", 1) + ["kill"])[:2]
+    for item in filter(None, os.environ.get("SCHEDULER_FAILPOINTS", "").split(","))
+)
+_SIGNALS = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP}
 
 
 def failpoint(name: str) -> None:
     if name in _ARMED:
-        os.kill(os.getpid(), signal.SIGKILL)
+        os.kill(os.getpid(), _SIGNALS[_ARMED[name]])

@@ -2,8 +2,10 @@
 
 `materializer_run_once` claims due jobs through `job_due_idx` with FOR UPDATE SKIP LOCKED
 and, in one transaction, creates each due occurrence's run, writes its outbox row and
-advances `next_run_at`. Any number of replicas may run it at once: a job row is held by one
-transaction at a time, and `run_one_per_occurrence` is the backstop.
+advances `next_run_at`. A replica given a partition scope claims only the jobs of the
+partitions whose lease it holds (jobs.partitions, checked in the claim's own statement).
+Any number of replicas may run it at once: a job row is held by one transaction at a time,
+and `run_one_per_occurrence` is the backstop.
 
 On the way each occurrence meets the job's policies (jobs.policies; docs/api.md, "Schedule
 policies"): misfire (an occurrence later than `grace_seconds` runs or is recorded
@@ -38,6 +40,7 @@ from jobs.models import (
 )
 from jobs.notify import CHANNEL_OUTBOX, notify
 from jobs.outbox import outbox_enqueue_runs
+from jobs.partitions import PartitionScope, in_held_partitions
 from jobs.policies import misfire_plan, overlap_decision, run_jitter
 from jobs.rows import rows_insert
 from jobs.schedules import ScheduleError, job_next_fire
@@ -45,6 +48,7 @@ from jobs.services import job_pause, jobs_pause_if_failing, run_cancel_request
 from jobs.transitions import ACTIVE_RUN_STATES, jobs_advance
 
 from .config import config_require
+from .failpoints import failpoint
 
 # Occurrences (run or skipped) one job turns into rows in one pass; a longer backlog goes
 # on in the next passes, so an outage of any length costs bounded transactions.
@@ -87,6 +91,9 @@ class NewRun:
 @dataclasses.dataclass(frozen=True)
 class MaterializerConfig:
     batch_size: int = 500  # due jobs claimed per transaction
+    # Only the jobs of the partitions this replica holds (dispatch.partitions); None: every
+    # job (SQLite's single scheduler, and tests of one replica).
+    scope: PartitionScope | None = None
 
     def __post_init__(self) -> None:
         config_require(self, at_least_one=("batch_size",))
@@ -102,7 +109,7 @@ class MaterializerResult:
 
 def materializer_run_once(*, now: dt.datetime, config: MaterializerConfig) -> MaterializerResult:
     with transaction.atomic():
-        return _materialize_due_jobs(now=now, limit=config.batch_size)
+        return _materialize_due_jobs(now=now, limit=config.batch_size, scope=config.scope)
 
 
 def _due_occurrences(job: DueJob, now: dt.datetime) -> tuple[list[dt.datetime], dt.datetime | None]:
@@ -115,18 +122,21 @@ def _due_occurrences(job: DueJob, now: dt.datetime) -> tuple[list[dt.datetime], 
     return due, at
 
 
-def _claim_due_jobs(*, now: dt.datetime, limit: int) -> list[DueJob]:
+def _claim_due_jobs(
+    *, now: dt.datetime, limit: int, scope: PartitionScope | None = None
+) -> list[DueJob]:
     """Up to `limit` due active jobs, each with its current version's spec, their rows
     locked: one statement. Its inner query claims the jobs' ids through `job_due_idx`
-    (FOR UPDATE SKIP LOCKED); the outer one reads them with their versions, locking them
-    again (already ours) so that it reads each job's latest row. Only ids are sorted, so
-    statistics that lag behind a burst cannot make it sort every due job's spec on disk."""
-    due = (
-        Job.objects.filter(state=JobState.ACTIVE, next_run_at__lte=now)
-        .order_by("next_run_at")
-        .select_for_update(skip_locked=True)
-        .values("id")[:limit]
-    )
+    (FOR UPDATE SKIP LOCKED), of the partitions `scope`'s holder holds at that statement
+    (its leases read once, on the database's clock: due jobs of other partitions are passed
+    over, so the cost grows with due work); the outer one reads them with their versions,
+    locking them again (already ours) so that it reads each job's latest row. Only ids are
+    sorted, so statistics that lag behind a burst cannot make it sort every due job's spec
+    on disk."""
+    due = Job.objects.filter(state=JobState.ACTIVE, next_run_at__lte=now)
+    if scope is not None:
+        due = due.filter(in_held_partitions(scope))
+    due = due.order_by("next_run_at").select_for_update(skip_locked=True).values("id")[:limit]
     rows = (
         Job.objects.select_for_update(of=("self",))
         .filter(id__in=due, versions__version=F("version"))
@@ -139,10 +149,13 @@ def _claim_due_jobs(*, now: dt.datetime, limit: int) -> list[DueJob]:
     return [DueJob(*row) for row in rows]
 
 
-def _materialize_due_jobs(*, now: dt.datetime, limit: int) -> MaterializerResult:
-    claimed = _claim_due_jobs(now=now, limit=limit)
+def _materialize_due_jobs(
+    *, now: dt.datetime, limit: int, scope: PartitionScope | None
+) -> MaterializerResult:
+    claimed = _claim_due_jobs(now=now, limit=limit, scope=scope)
     if not claimed:
         return MaterializerResult()
+    failpoint("materializer.after_claim")  # the claimed jobs locked, nothing written yet
     # Every query a policy needs is one per batch, and only made when a job of the batch
     # has the policy: a batch of one-time jobs without policies costs the claim and one
     # statement that writes the runs, their outbox rows and the jobs' next_run_at.

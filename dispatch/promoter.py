@@ -8,7 +8,10 @@ each with a new outbox row.
   go on too: they were created before the pause, which only stops new occurrences.
 
 Both are the same promotion (claim with FOR UPDATE SKIP LOCKED, `runs_requeue`, outbox),
-each in its own transaction, so any number of replicas may run it.
+each in its own transaction, so any number of replicas may run it. Partitioned like the
+materializer: a replica given a partition scope promotes only the runs of jobs in the
+partitions it holds (the run's own `job_id`, no join), so all of a job's due work goes
+through one replica at a time and a replica that lost its leases promotes nothing.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from django.db.models import Exists, OuterRef, Q, QuerySet
 
 from jobs.models import Run, RunKind, RunState
 from jobs.outbox import outbox_enqueue_runs
+from jobs.partitions import PartitionScope, in_held_partitions
 from jobs.policies import BUSY_RUN_STATES
 from jobs.transitions import LIVE_JOB_STATES, runs_requeue
 
@@ -30,6 +34,7 @@ from .config import config_require
 @dataclasses.dataclass(frozen=True)
 class PromoterConfig:
     batch_size: int = 500  # runs of each kind (retries, pending) promoted per transaction
+    scope: PartitionScope | None = None  # as MaterializerConfig.scope
 
     def __post_init__(self) -> None:
         config_require(self, at_least_one=("batch_size",))
@@ -43,8 +48,11 @@ class PromoterResult:
 
 
 def promoter_run_once(*, now: dt.datetime, config: PromoterConfig) -> PromoterResult:
+    runs = Run.objects.all()
+    if config.scope is not None:
+        runs = runs.filter(in_held_partitions(config.scope, job_id="job_id"))
     retries = _promote(
-        Run.objects.filter(state=RunState.RETRY_WAIT, next_attempt_at__lte=now),
+        runs.filter(state=RunState.RETRY_WAIT, next_attempt_at__lte=now),
         order_by="next_attempt_at",
         now=now,
         limit=config.batch_size,
@@ -53,7 +61,7 @@ def promoter_run_once(*, now: dt.datetime, config: PromoterConfig) -> PromoterRe
         job_id=OuterRef("job_id"), kind=RunKind.SCHEDULED, state__in=BUSY_RUN_STATES
     )
     released = _promote(
-        Run.objects.filter(
+        runs.filter(
             state=RunState.PENDING, due_at__lte=now, job__state__in=LIVE_JOB_STATES
         ).exclude(Q(job__spec__overlap="buffer_one") & Exists(busy)),
         order_by="due_at",

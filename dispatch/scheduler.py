@@ -25,6 +25,7 @@ from django.db.models import Min
 from jobs.clock import db_now
 from jobs.models import Job, JobState, Run, RunState
 from jobs.notify import notified_instant
+from jobs.partitions import PartitionScope, in_partitions, partitions_held
 
 from .completer import CompleterConfig, CompleterResult, completer_run_once
 from .config import config_require
@@ -43,6 +44,9 @@ HELD_ELSEWHERE_SECONDS = 0.02
 class SchedulerConfig:
     batch_size: int = 500  # due jobs (and due retries) claimed per transaction
     poll_interval: float = 1.0  # longest sleep: picks up jobs created while sleeping
+    # Only the due work of the partitions this replica holds (dispatch.partitions); None:
+    # all of it (SQLite's single scheduler, tests of one replica).
+    scope: PartitionScope | None = None
 
     def __post_init__(self) -> None:
         config_require(self, at_least_one=("batch_size",), positive=("poll_interval",))
@@ -62,10 +66,12 @@ class SchedulerResult:
 def scheduler_run_once(*, now: dt.datetime, config: SchedulerConfig) -> SchedulerResult:
     marks = [time.monotonic()]  # when each step ended, after when the pass began
     materialized = materializer_run_once(
-        now=now, config=MaterializerConfig(batch_size=config.batch_size)
+        now=now, config=MaterializerConfig(batch_size=config.batch_size, scope=config.scope)
     )
     marks.append(time.monotonic())
-    promoted = promoter_run_once(now=now, config=PromoterConfig(batch_size=config.batch_size))
+    promoted = promoter_run_once(
+        now=now, config=PromoterConfig(batch_size=config.batch_size, scope=config.scope)
+    )
     marks.append(time.monotonic())
     # Completion can wait for a backlog of due work: its query looks at every job whose
     # schedule is over, which a burst of one-time jobs makes thousands while their runs are
@@ -95,17 +101,26 @@ def scheduler_run_once(*, now: dt.datetime, config: SchedulerConfig) -> Schedule
     )
 
 
-def scheduler_next_due(*, now: dt.datetime) -> dt.datetime | None:
+def scheduler_next_due(
+    *, now: dt.datetime, scope: PartitionScope | None = None
+) -> dt.datetime | None:
     """The earliest instant at which there will be work (the queries use partial indexes).
     Pending runs count only while their jitter is still ahead: a buffered run waits for
-    its job's active run, which the poll interval notices."""
-    job_due = Job.objects.filter(state=JobState.ACTIVE).aggregate(at=Min("next_run_at"))["at"]
-    retry_due = Run.objects.filter(state=RunState.RETRY_WAIT).aggregate(at=Min("next_attempt_at"))[
+    its job's active run, which the poll interval notices. With a scope, only the work of
+    the partitions held now (others' due work would make the loop spin): each query walks
+    its index in order until a row of one of them, and none is made while none is held."""
+    jobs, runs = Job.objects.filter(state=JobState.ACTIVE), Run.objects.all()
+    if scope is not None:
+        held = partitions_held(scope)
+        if not held:
+            return None
+        jobs = jobs.filter(in_partitions(held, scope))
+        runs = runs.filter(in_partitions(held, scope, job_id="job_id"))
+    job_due = jobs.aggregate(at=Min("next_run_at"))["at"]
+    retry_due = runs.filter(state=RunState.RETRY_WAIT).aggregate(at=Min("next_attempt_at"))["at"]
+    jitter_due = runs.filter(state=RunState.PENDING, due_at__gt=now).aggregate(at=Min("due_at"))[
         "at"
     ]
-    jitter_due = Run.objects.filter(state=RunState.PENDING, due_at__gt=now).aggregate(
-        at=Min("due_at")
-    )["at"]
     candidates = [at for at in (job_due, retry_due, jitter_due) if at is not None]
     return min(candidates) if candidates else None
 
@@ -117,7 +132,7 @@ def scheduler_sleep_seconds(
 
     Work already due when the pass began (`pass_started_at`) that the pass left is held by
     another replica (SKIP LOCKED): wait HELD_ELSEWHERE_SECONDS for it rather than spin."""
-    next_due = scheduler_next_due(now=now)
+    next_due = scheduler_next_due(now=now, scope=config.scope)
     if next_due is None:
         return config.poll_interval
     seconds = (next_due - now).total_seconds()

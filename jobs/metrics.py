@@ -12,6 +12,8 @@ import datetime as dt
 import re
 from collections import defaultdict
 
+from django.conf import settings
+from django.db import connection
 from django.db.models import Count, Min, Sum
 from django.db.models.functions import Coalesce, Greatest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
@@ -24,8 +26,10 @@ from .models import (
     JobState,
     OutboxMessage,
     OutboxState,
+    PartitionLease,
     Run,
     RunState,
+    SchedulerReplica,
     Tally,
 )
 
@@ -93,6 +97,40 @@ def _histograms() -> dict[str, tuple[list[tuple[str, float]], float]]:
     return exported
 
 
+def _partition_families(now: dt.datetime):
+    """The partition leases by holder, the partitions nobody holds, the live scheduler
+    replicas: a few rows each (as many as partitions and replicas). SQLite's single
+    scheduler holds every partition without leases."""
+    partitions = settings.SCHEDULER_PARTITIONS
+    held = {}
+    replicas = 0
+    if connection.vendor == "postgresql":
+        held = dict(
+            PartitionLease.objects.filter(expires_at__gte=now, partition__lt=partitions)
+            .values_list("holder")
+            .annotate(count=Count("partition"))
+        )
+        replicas = SchedulerReplica.objects.filter(expires_at__gte=now).count()
+    leases = GaugeMetricFamily(
+        "scheduler_partition_leases",
+        "Partitions whose lease each scheduler replica holds (holder: host:pid:suffix).",
+        labels=["holder"],
+    )
+    for holder, count in sorted(held.items()):
+        leases.add_metric([holder], count)
+    yield leases
+    yield GaugeMetricFamily(
+        "scheduler_partitions_unheld",
+        "Partitions whose lease no live replica holds: their due work waits meanwhile.",
+        value=partitions - sum(held.values()) if connection.vendor == "postgresql" else 0,
+    )
+    yield GaugeMetricFamily(
+        "scheduler_partition_replicas",
+        "Scheduler replicas sharing the partitions (their membership not expired).",
+        value=replicas,
+    )
+
+
 class DatabaseCollector:
     def collect(self):
         now = db_now()
@@ -146,3 +184,4 @@ class DatabaseCollector:
         for state in RunState.values:  # every state, zeros included, in one query
             runs.add_metric([state], counts.get(state, 0))
         yield runs
+        yield from _partition_families(now)

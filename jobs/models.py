@@ -434,3 +434,46 @@ class Tally(models.Model):
 
     def __str__(self) -> str:
         return f"{self.name}{{{self.labels}}} #{self.shard} {self.count}"
+
+
+# -- partitions of due work between scheduler replicas (dispatch.partitions) -------------
+
+
+class PartitionLease(models.Model):
+    """A scheduler replica's lease on one partition of the jobs (jobs.partitions): while
+    `expires_at` is ahead on the database's clock, only `holder` claims the partition's due
+    work. Acquired with INSERT ... ON CONFLICT DO NOTHING, taken over once expired, renewed
+    only while held, handed over or deleted by its holder (dispatch.partitions)."""
+
+    partition = models.PositiveIntegerField(primary_key=True)
+    holder = models.CharField(max_length=200)
+    expires_at = models.DateTimeField()
+    # When this holder got it (acquired, taken over or handed over): how long it stayed put.
+    acquired_at = models.DateTimeField()
+
+    class Meta:
+        db_table = "jobs_partition_lease"
+
+    def __str__(self) -> str:
+        return f"partition {self.partition}: {self.holder} until {self.expires_at}"
+
+
+class SchedulerReplica(models.Model):
+    """A scheduler replica that shares the partitions: renewed with its leases, so that
+    every replica counts the live ones (`expires_at` ahead) and takes its fair share, and a
+    replica holding none yet is seen by those that must hand over to it."""
+
+    holder = models.CharField(max_length=200, primary_key=True)
+    expires_at = models.DateTimeField()
+    joined_at = models.DateTimeField()
+    # Its scheduler loop's database session (pg_backend_pid, and its backend_start, so a
+    # recycled pid is never taken for it): ended by the replica that takes its expired
+    # leases over, so the job rows a frozen pass keeps locked go with the partitions.
+    session_pid = models.IntegerField(null=True, blank=True)
+    session_started_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        db_table = "jobs_scheduler_replica"
+
+    def __str__(self) -> str:
+        return f"{self.holder} until {self.expires_at}"

@@ -16,6 +16,9 @@ CHANNEL_OUTBOX = "scheduler_outbox"
 # A job's next fire moved earlier, or a run was queued for a retry or a release: the
 # schedulers recompute when to wake.
 CHANNEL_SCHEDULE = "scheduler_schedule"
+# A scheduler replica joined or released its partition leases: the others look again at
+# their share (dispatch.partitions) at once.
+CHANNEL_PARTITIONS = "scheduler_partitions"
 
 
 def notify(channel: str, *, at: dt.datetime | None = None) -> None:

@@ -20,6 +20,21 @@ def env_bool(name: str, default: bool) -> bool:
     return value in {"1", "true", "yes", "on"}
 
 
+def env_number(name: str, default: float, *, minimum: float, maximum: float, kind=float):
+    """A number from the environment; ValueError naming the variable and the reason."""
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return kind(default)
+    try:
+        value = kind(raw)
+    except ValueError:
+        raise ValueError(f"{name} must be {'an integer' if kind is int else 'a number'}, "
+                         f"not {raw!r}") from None  # fmt: skip
+    if not minimum <= value <= maximum:
+        raise ValueError(f"{name} must be between {minimum} and {maximum}, not {raw!r}")
+    return value
+
+
 def env_list(name: str) -> list[str]:
     return [item.strip() for item in os.environ.get(name, "").split(",") if item.strip()]
 
@@ -83,6 +98,13 @@ if SCHEDULER_LOG_FORMAT not in {"plain", "json"}:
 # `celery inspect`, Flower and the admin's task results show each delivery's task. Off by
 # default: it costs a write per task (docs/operations.md, "Celery's own tools").
 SCHEDULER_CELERY_RESULTS = env_bool("SCHEDULER_CELERY_RESULTS", False)
+# Scheduler replicas share due work by partition, each holding leases on its share
+# (dispatch.partitions): how many partitions (the same on every replica), and how long a
+# lease lasts unrenewed (a dead replica's partitions move within it).
+SCHEDULER_PARTITIONS = env_number("SCHEDULER_PARTITIONS", 64, minimum=1, maximum=4096, kind=int)
+SCHEDULER_PARTITION_LEASE_SECONDS = env_number(
+    "SCHEDULER_PARTITION_LEASE_SECONDS", 10.0, minimum=1.0, maximum=600.0
+)
 # Sentry's performance tracing: the share of requests and tasks traced (0: errors only).
 SENTRY_TRACES_SAMPLE_RATE = float(env_str("SENTRY_TRACES_SAMPLE_RATE", "0"))
 SENTRY_ENVIRONMENT = os.environ.get("SENTRY_ENVIRONMENT", "")

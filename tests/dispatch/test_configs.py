@@ -48,6 +48,7 @@ def test_the_defaults_are_valid():
     [
         ("scheduler", "--poll-interval", "poll_interval"),
         ("scheduler", "--reconcile-interval", "poll_interval"),
+        ("scheduler", "--partition-lease-seconds", "lease_seconds"),
         ("relay", "--batch-size", "batch_size"),
     ],
 )

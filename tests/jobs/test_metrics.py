@@ -217,3 +217,31 @@ def test_a_delivery_is_measured_without_a_statement_of_its_own(operator_api, que
     assert histogram(samples, "scheduler_queue_wait_seconds")[0] == 1
     assert histogram(samples, "scheduler_run_duration_seconds")[0] == 1
     assert samples[("scheduler_attempts_total", (("outcome", "succeeded"),))] == 1
+
+
+def test_partition_leases_are_shown_by_holder_with_the_unheld_and_the_replicas(operator_api):
+    """Live leases only (on the database's clock): an expired one counts as unheld."""
+    from jobs.clock import db_now
+    from jobs.models import PartitionLease, SchedulerReplica
+
+    now = db_now()
+    live, gone = now + dt.timedelta(seconds=60), now - dt.timedelta(seconds=1)
+    for partition, holder, expires_at in [(0, "a", live), (1, "a", live), (2, "b", live),
+                                          (3, "c", gone)]:  # fmt: skip
+        PartitionLease.objects.create(
+            partition=partition, holder=holder, expires_at=expires_at, acquired_at=now
+        )
+    SchedulerReplica.objects.create(holder="a", expires_at=live, joined_at=now)
+    SchedulerReplica.objects.create(holder="b", expires_at=live, joined_at=now)
+    SchedulerReplica.objects.create(holder="c", expires_at=gone, joined_at=now)
+
+    samples = scrape(operator_api.get("/metrics").content.decode())
+
+    leases = {
+        dict(labels)["holder"]: value
+        for (name, labels), value in samples.items()
+        if name == "scheduler_partition_leases"
+    }
+    assert leases == {"a": 2, "b": 1}
+    assert samples[("scheduler_partitions_unheld", ())] == 64 - 3
+    assert samples[("scheduler_partition_replicas", ())] == 2

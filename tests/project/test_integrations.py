@@ -156,6 +156,20 @@ def test_an_unknown_log_format_is_refused(tmp_path):
     assert "SCHEDULER_LOG_FORMAT must be plain or json, not 'xml'" in done.stderr
 
 
+@pytest.mark.parametrize(
+    "name, value, reason",
+    [
+        ("SCHEDULER_PARTITIONS", "0", "must be between 1 and 4096, not '0'"),
+        ("SCHEDULER_PARTITIONS", "many", "must be an integer, not 'many'"),
+        ("SCHEDULER_PARTITION_LEASE_SECONDS", "0.5", "must be between 1.0 and 600.0, not '0.5'"),
+    ],
+)
+def test_a_partition_setting_out_of_range_is_refused_by_name(tmp_path, name, value, reason):
+    done = run_python("import django; django.setup()", tmp_path, **{name: value})
+    assert done.returncode != 0
+    assert f"{name} {reason}" in done.stderr
+
+
 def test_secrets_never_reach_sentry_or_the_processes_own_log(sentry, tmp_path):
     probe = """
 import django, logging, sentry_sdk

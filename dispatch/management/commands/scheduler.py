@@ -9,26 +9,38 @@ from collections.abc import Callable
 
 from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError
+from django.db import connection
+from django.db.backends.signals import connection_created
 
 from dispatch.loop import StopSignal, run_loop, run_once_step
+from dispatch.partitions import PartitionKeeper, PartitionsConfig, replica_holder
 from dispatch.pruner import PrunerConfig, pruner_run_once
 from dispatch.reaper import OutageGrace, ReaperConfig, reaper_run_once
 from dispatch.reconciler import BrokerQueueDepth, ReconcileConfig, reconcile_run_once
 from dispatch.scheduler import SchedulerConfig, SchedulerWake
 from dispatch.wakeup import Listener
-from jobs.notify import CHANNEL_SCHEDULE
+from jobs.notify import CHANNEL_PARTITIONS, CHANNEL_SCHEDULE
 
 
 class Command(BaseCommand):
     help = (
         "Run one scheduler replica: turns due occurrences and retries into queued runs, and "
-        "runs the reaper (expired leases, timeouts), reconciliation and pruning loops beside it."
+        "runs the reaper (expired leases, timeouts), reconciliation and pruning loops beside it. "
+        "On PostgreSQL it dispatches only the partitions whose lease it holds, kept by a loop "
+        "of its own."
     )
 
     def add_arguments(self, parser):
         parser.add_argument("--batch-size", type=int, default=SchedulerConfig.batch_size)
         parser.add_argument("--poll-interval", type=float, default=SchedulerConfig.poll_interval)
         parser.add_argument("--max-steps", type=int, default=None, help="stop after N steps")
+        parser.add_argument(
+            "--partition-lease-seconds",
+            type=float,
+            default=None,
+            help="how long a partition lease lasts unrenewed (renewed every third of it); "
+            "default SCHEDULER_PARTITION_LEASE_SECONDS",
+        )
         parser.add_argument(
             "--without-reaper", action="store_true", help="run no reaper loop in this process"
         )
@@ -58,6 +70,9 @@ class Command(BaseCommand):
             loops = self.loops(options, stop)
         except ValueError as exc:  # a Config refusing an option's value
             raise CommandError(str(exc)) from exc
+        if self.keeper is not None:
+            connection_created.connect(self._scheduler_session_opened, weak=False)
+            self.keeper.first_pass()  # alone, it dispatches every partition from its first pass
         self.stdout.write("scheduler started")
         for loop in loops:
             loop.start()
@@ -69,8 +84,19 @@ class Command(BaseCommand):
 
     def loops(self, options: dict, stop: StopSignal) -> list[threading.Thread]:
         """The loops this process runs, by its options; ValueError for a value out of range."""
+        lease = options["partition_lease_seconds"]
+        partitions = PartitionsConfig(
+            holder=replica_holder(),
+            partitions=settings.SCHEDULER_PARTITIONS,
+            lease_seconds=settings.SCHEDULER_PARTITION_LEASE_SECONDS if lease is None else lease,
+        )
+        self.keeper = None
+        if connection.vendor == "postgresql":  # SQLite: one scheduler, every partition
+            self.keeper = PartitionKeeper(partitions, Listener((CHANNEL_PARTITIONS,), stop))
         scheduler = SchedulerConfig(
-            batch_size=options["batch_size"], poll_interval=options["poll_interval"]
+            batch_size=options["batch_size"],
+            poll_interval=options["poll_interval"],
+            scope=self.keeper.config.scope if self.keeper is not None else None,
         )
         listener = Listener((CHANNEL_SCHEDULE,), stop)
         wake = SchedulerWake(scheduler, listener)
@@ -84,6 +110,13 @@ class Command(BaseCommand):
                 close=listener.close,
             )
         ]
+        if self.keeper is not None:
+            step = run_once_step(
+                self.keeper.run_once, self.keeper.config, sleep=self.keeper.sleep_seconds
+            )
+            loops.append(
+                self.loop("partitions", step, stop, wait=self.keeper.wait, close=self.keeper.close)
+            )
         if not options["without_reaper"]:
             reaper = ReaperConfig()
             grace = OutageGrace(reaper.recovery_grace_seconds)
@@ -114,6 +147,13 @@ class Command(BaseCommand):
                 )
             )
         return loops
+
+    def _scheduler_session_opened(self, sender, connection, **kwargs) -> None:
+        """The scheduler loop's database session is recorded with the replica's membership:
+        a replica that takes its partitions over after a freeze ends it (dispatch.partitions),
+        so the job rows a frozen pass keeps locked go with the partitions."""
+        if threading.current_thread().name == "scheduler":
+            self.keeper.scheduler_session_opened(connection)
 
     def loop(
         self,
