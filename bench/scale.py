@@ -36,6 +36,7 @@ dropped at the end.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as dt
 import json
 import os
@@ -44,6 +45,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -75,6 +77,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--rounds", type=int, default=3, help="alternations between the sizes")
     p.add_argument("--backlog", type=int, default=1_000, help="queued runs waiting (both sizes)")
     p.add_argument("--running", type=int, default=100, help="running runs (both sizes)")
+    p.add_argument("--statements", type=float, default=1.0,
+                   help="print the profiled statements over this many ms")  # fmt: skip
     p.add_argument("--quick", action="store_true", help="--jobs 50000 --passes 12: a check")
     p.add_argument("--output", type=Path, default=None, help="the JSON file to write")
     return p
@@ -95,7 +99,7 @@ def psql(sql: str) -> None:
     subprocess.run(["psql", f"{PG}/postgres", "-qc", sql], check=True)
 
 
-def _tables() -> dict[str, str]:
+def table_names() -> dict[str, str]:
     from jobs.models import Attempt, AuditEvent, Job, JobVersion, OutboxMessage, Run
 
     models = {"job": Job, "version": JobVersion, "audit": AuditEvent, "run": Run}
@@ -124,7 +128,7 @@ def insert_jobs(
     from jobs.audit import actor_label
 
     owner = bench_owner()
-    t = _tables()
+    t = table_names()
     with connection.cursor() as cursor:
         cursor.execute(
             f"""
@@ -197,7 +201,7 @@ def load(*, jobs: int, backlog: int, running: int) -> dict:
     """Fill the current database (see the module's docstring); seconds each part took."""
     from django.db import connection
 
-    t = _tables()
+    t = table_names()
     cron = validated_spec(
         {"name": "cron", "task": "tests.record",
          "schedule": {"kind": "cron", "expression": "0 3 * * *"}}
@@ -268,7 +272,7 @@ def load(*, jobs: int, backlog: int, running: int) -> dict:
 def counts() -> dict:
     from django.db import connection
 
-    t = _tables()
+    t = table_names()
     with connection.cursor() as cursor:
         cursor.execute(
             f"""SELECT (SELECT count(*) FROM {t["job"]}), (SELECT count(*) FROM {t["run"]}),
@@ -287,7 +291,7 @@ def finish_published() -> int:
     their outbox rows go, each run gets its succeeded attempt. Returns how many."""
     from django.db import connection
 
-    t = _tables()
+    t = table_names()
     with connection.cursor() as cursor:
         cursor.execute(
             f"""
@@ -336,6 +340,9 @@ class StepTimer:
         import importlib
 
         self.times: dict[str, float] = {}
+        self.stack: list[str] = []
+        # (step, statement, seconds) of every statement, while a list (--statements).
+        self.statements: list[tuple[str, str, float]] | None = None
         for module_name, names in self.STEPS.items():
             module = importlib.import_module(module_name)
             for attr in names:
@@ -343,15 +350,32 @@ class StepTimer:
                     name = attr.strip("_").removesuffix("_run_once")
                     setattr(module, attr, self._timed(name, getattr(module, attr)))
 
-    def _timed(self, name: str, step):
+    @contextlib.contextmanager
+    def step(self, name: str) -> Iterator[None]:
+        self.stack.append(name)
+        began = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.times[name] = time.perf_counter() - began
+            self.stack.pop()
+
+    def _timed(self, name: str, function):
         def timed(*args, **kwargs):
-            began = time.perf_counter()
-            try:
-                return step(*args, **kwargs)
-            finally:
-                self.times[name] = time.perf_counter() - began
+            with self.step(name):
+                return function(*args, **kwargs)
 
         return timed
+
+    def execute(self, execute, sql, params, many, context):
+        """A Django execute wrapper: each statement's time, under the innermost step."""
+        began = time.perf_counter()
+        try:
+            return execute(sql, params, many, context)
+        finally:
+            if self.statements is not None and self.stack:
+                text = " ".join(sql.split())
+                self.statements.append((self.stack[-1], text, time.perf_counter() - began))
 
 
 def iteration(*, database: str, serial: Serial, timer: StepTimer, args) -> dict:
@@ -371,26 +395,25 @@ def iteration(*, database: str, serial: Serial, timer: StepTimer, args) -> dict:
                 next_run_at="due", spec_sql="""jsonb_set(spec, '{schedule,run_at}',
                     to_jsonb(to_char(due AT TIME ZONE 'UTC',
                                      'YYYY-MM-DD"T"HH24:MI:SS.US"+00:00"')))""")  # fmt: skip
-    times = {}
     timer.times.clear()
-    began = time.perf_counter()
-    result = scheduler_run_once(now=db_now(), config=SchedulerConfig())
-    times["pass"] = time.perf_counter() - began
-    times.update(timer.times)
-    began = time.perf_counter()
-    scheduler_next_due(now=db_now())
-    times["next_due"] = time.perf_counter() - began
-    began = time.perf_counter()
-    reconciled = reconcile_run_once(
-        now=db_now(), config=ReconcileConfig(), queue_depth=lambda _queue: args.backlog
-    )
-    times["reconciler"] = time.perf_counter() - began
-    times.update(timer.times)
-    began = time.perf_counter()
-    reaped = reaper_run_once(now=db_now(), config=ReaperConfig())
-    times["reaper"] = time.perf_counter() - began
+    # Each step is timed from after its db_now() (the loops read the clock too, but that
+    # round trip is not the step's cost).
+    now = db_now()
+    with timer.step("pass"):
+        result = scheduler_run_once(now=now, config=SchedulerConfig())
+    now = db_now()
+    with timer.step("next_due"):
+        scheduler_next_due(now=now)
+    now = db_now()
+    with timer.step("reconciler"):
+        reconciled = reconcile_run_once(
+            now=now, config=ReconcileConfig(), queue_depth=lambda _queue: args.backlog
+        )
+    now = db_now()
+    with timer.step("reaper"):
+        reaped = reaper_run_once(now=now, config=ReaperConfig())
     return {
-        "seconds": times,
+        "seconds": dict(timer.times),
         "runs_created": result.runs_created,
         "jobs_completed": result.jobs_completed,
         "finished_before": finished,
@@ -398,6 +421,34 @@ def iteration(*, database: str, serial: Serial, timer: StepTimer, args) -> dict:
         "orphans": reconciled.orphans_repaired,
         "reaped": reaped.lost + reaped.timed_out + reaped.released,
     }
+
+
+def statement_profile(*, database: str, serial: Serial, timer: StepTimer, args) -> list:
+    """One more iteration with every statement timed: [(step, statement, ms)]."""
+    from django.db import connection
+
+    timer.statements = []
+    try:
+        with connection.execute_wrapper(timer.execute):
+            iteration(database=database, serial=serial, timer=timer, args=args)
+        return [(step, sql, seconds * 1000) for step, sql, seconds in timer.statements]
+    finally:
+        timer.statements = None
+
+
+def print_statements(document: dict, least_ms: float) -> None:
+    """Side by side, the statements of the profiled iteration at both sizes (the same
+    statements in the same order, unless a size took another path)."""
+    small, large = (document["results"][size].get("statements") for size in document["sizes"])
+    if not small or not large:
+        return
+    print(f"\nstatements of one more iteration, those over {least_ms} ms at either size:")
+    if [(s, q[:60]) for s, q, _ in small] != [(s, q[:60]) for s, q, _ in large]:
+        print("  (the two sizes ran different statements: see the JSON)")
+        return
+    for (step, sql, a), (_, _, b) in zip(small, large, strict=True):
+        if max(a, b) >= least_ms:
+            print(f"  {step:<24} {a:8.2f} ms {b:8.2f} ms {b / a:6.2f}x  {sql[:90]}")
 
 
 # -- figures ------------------------------------------------------------------------------
@@ -519,6 +570,11 @@ def main(argv: list[str] | None = None) -> dict:
                         )
                     print(f"  round {round_index + 1}/{args.rounds}: {passes} passes at "
                           f"{int(size):,} jobs", flush=True)  # fmt: skip
+            for size, database in databases.items():
+                use_database(database)
+                document["results"][size]["statements"] = statement_profile(
+                    database=database, serial=serial, timer=timer, args=args
+                )
             for size in databases:
                 result = document["results"][size]
                 result["steps"] = step_figures(result["iterations"])
@@ -537,6 +593,7 @@ def main(argv: list[str] | None = None) -> dict:
             use_database(small_db)  # bench_environment closes it and drops its database
             psql(f"DROP DATABASE IF EXISTS {large_db} WITH (FORCE)")
     print_table(document)
+    print_statements(document, args.statements)
     for size in document["sizes"]:
         for line in document["results"][size].get("anomalies", []):
             print(f"  {int(size):,} jobs, {line}")
