@@ -79,6 +79,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--running", type=int, default=100, help="running runs (both sizes)")
     p.add_argument("--statements", type=float, default=1.0,
                    help="print the profiled statements over this many ms")  # fmt: skip
+    p.add_argument("--profile-passes", type=int, default=5,
+                   help="more passes, counting the shared buffers each step touches")  # fmt: skip
     p.add_argument("--quick", action="store_true", help="--jobs 50000 --passes 12: a check")
     p.add_argument("--output", type=Path, default=None, help="the JSON file to write")
     return p
@@ -270,17 +272,17 @@ def load(*, jobs: int, backlog: int, running: int) -> dict:
 
 
 def counts() -> dict:
+    """Rows and bytes (with indexes and TOAST) of each table, and of the database."""
     from django.db import connection
 
-    t = table_names()
+    out = {}
     with connection.cursor() as cursor:
-        cursor.execute(
-            f"""SELECT (SELECT count(*) FROM {t["job"]}), (SELECT count(*) FROM {t["run"]}),
-                       (SELECT count(*) FROM {t["attempt"]}),
-                       pg_database_size(current_database())"""
-        )
-        jobs, runs, attempts, size = cursor.fetchone()
-    return {"jobs": jobs, "runs": runs, "attempts": attempts, "database_bytes": size}
+        for key, table in table_names().items():
+            cursor.execute(f"SELECT count(*), pg_total_relation_size('{table}') FROM {table}")
+            out[f"{key}_rows"], out[f"{key}_bytes"] = cursor.fetchone()
+        cursor.execute("SELECT pg_database_size(current_database())")
+        out["database_bytes"] = cursor.fetchone()[0]
+    return out
 
 
 # -- one iteration ------------------------------------------------------------------------
@@ -343,6 +345,9 @@ class StepTimer:
         self.stack: list[str] = []
         # (step, statement, seconds) of every statement, while a list (--statements).
         self.statements: list[tuple[str, str, float]] | None = None
+        # step -> shared buffers it touched, while a dict (the profiled iterations).
+        self.blocks: dict[str, int] | None = None
+        self.reading = False
         for module_name, names in self.STEPS.items():
             module = importlib.import_module(module_name)
             for attr in names:
@@ -352,6 +357,11 @@ class StepTimer:
 
     @contextlib.contextmanager
     def step(self, name: str) -> Iterator[None]:
+        from django.db import connection
+
+        # Inside a transaction the counts are not flushed: only top-level steps count.
+        counted = self.blocks is not None and not connection.in_atomic_block
+        blocks = self._blocks() if counted else None
         self.stack.append(name)
         began = time.perf_counter()
         try:
@@ -359,6 +369,26 @@ class StepTimer:
         finally:
             self.times[name] = time.perf_counter() - began
             self.stack.pop()
+            if blocks is not None:
+                self.blocks[name] = self._blocks() - blocks
+
+    def _blocks(self) -> int:
+        """Shared buffers read or hit in the current database so far (pg_stat_database,
+        flushed first): the work of a step, whatever the load of the box."""
+        from django.db import connection
+
+        self.reading = True
+        try:
+            with connection.cursor() as cursor:
+                cursor.execute("SELECT pg_stat_force_next_flush()")  # at the next idle
+                cursor.execute("SELECT pg_stat_clear_snapshot()")
+                cursor.execute(
+                    "SELECT blks_hit + blks_read FROM pg_stat_database"
+                    " WHERE datname = current_database()"
+                )
+                return cursor.fetchone()[0]
+        finally:
+            self.reading = False
 
     def _timed(self, name: str, function):
         def timed(*args, **kwargs):
@@ -373,7 +403,7 @@ class StepTimer:
         try:
             return execute(sql, params, many, context)
         finally:
-            if self.statements is not None and self.stack:
+            if self.statements is not None and self.stack and not self.reading:
                 text = " ".join(sql.split())
                 self.statements.append((self.stack[-1], text, time.perf_counter() - began))
 
@@ -423,23 +453,45 @@ def iteration(*, database: str, serial: Serial, timer: StepTimer, args) -> dict:
     }
 
 
-def statement_profile(*, database: str, serial: Serial, timer: StepTimer, args) -> list:
-    """One more iteration with every statement timed: [(step, statement, ms)]."""
+def profile(*, database: str, serial: Serial, timer: StepTimer, args) -> dict:
+    """`--profile-passes` more iterations, with the shared buffers each step touched
+    (median over them) and, of the last, every statement's time."""
     from django.db import connection
 
-    timer.statements = []
+    blocks = []
     try:
-        with connection.execute_wrapper(timer.execute):
-            iteration(database=database, serial=serial, timer=timer, args=args)
-        return [(step, sql, seconds * 1000) for step, sql, seconds in timer.statements]
+        for index in range(args.profile_passes):
+            timer.blocks = {}
+            timer.statements = [] if index == args.profile_passes - 1 else None
+            with connection.execute_wrapper(timer.execute):
+                iteration(database=database, serial=serial, timer=timer, args=args)
+            blocks.append(timer.blocks)
+        statements = [(step, sql, seconds * 1000) for step, sql, seconds in timer.statements]
     finally:
-        timer.statements = None
+        timer.statements = timer.blocks = None
+    steps = [step for step, _ in STEPS if all(step in b for b in blocks)]
+    return {
+        "blocks": {step: statistics.median(b[step] for b in blocks) for step in steps},
+        "statements": statements,
+    }
+
+
+def print_blocks(document: dict) -> None:
+    small, large = (document["results"][size].get("blocks") for size in document["sizes"])
+    if not small or not large:
+        return
+    print("\nshared buffers touched (hit or read) per step, median of the profiled passes:")
+    for step, label in STEPS:
+        if step in small and step in large:
+            ratio = f"{large[step] / small[step]:.2f}x" if small[step] else "n/a"
+            print(f"  {label:<40} {small[step]:>9,.0f} {large[step]:>9,.0f}  {ratio}")
 
 
 def print_statements(document: dict, least_ms: float) -> None:
     """Side by side, the statements of the profiled iteration at both sizes (the same
     statements in the same order, unless a size took another path)."""
     small, large = (document["results"][size].get("statements") for size in document["sizes"])
+    print_blocks(document)
     if not small or not large:
         return
     print(f"\nstatements of one more iteration, those over {least_ms} ms at either size:")
@@ -552,9 +604,10 @@ def main(argv: list[str] | None = None) -> dict:
                 print(f"loading {database}: {sizes[size]:,} future jobs ...", flush=True)
                 seconds = load(jobs=sizes[size], backlog=args.backlog, running=args.running)
                 document["results"][size] = {"load_seconds": seconds, "iterations": []}
-                document["results"][size]["tables"] = counts()
-                print(f"  loaded in {sum(seconds.values()):.0f} s: "
-                      f"{document['results'][size]['tables']}", flush=True)  # fmt: skip
+                tables = document["results"][size]["tables"] = counts()
+                print(f"  loaded in {sum(seconds.values()):.0f} s: {tables['job_rows']:,} jobs, "
+                      f"{tables['run_rows']:,} runs, {tables['database_bytes'] / 1e6:,.0f} MB",
+                      flush=True)  # fmt: skip
                 write(document, output)
             serial, timer = Serial(), StepTimer()
             per_round = [args.passes // args.rounds + (r < args.passes % args.rounds)
@@ -572,7 +625,7 @@ def main(argv: list[str] | None = None) -> dict:
                           f"{int(size):,} jobs", flush=True)  # fmt: skip
             for size, database in databases.items():
                 use_database(database)
-                document["results"][size]["statements"] = statement_profile(
+                document["results"][size] |= profile(
                     database=database, serial=serial, timer=timer, args=args
                 )
             for size in databases:
