@@ -1,8 +1,8 @@
 """Costs that grow with due work only: a scheduler pass with 1,000,000 jobs of which 100
 are due, against the same pass with 1,000 jobs, in one run (issue 11).
 
-    .venv/bin/python bench/scale.py --jobs 1000000     # the issue's figure (~15-25 min here)
-    .venv/bin/python bench/scale.py --quick            # 1,000 against 50,000: a check (~2 min)
+    .venv/bin/python bench/scale.py --jobs 1000000     # the issue's figure (~5 min here)
+    .venv/bin/python bench/scale.py --quick            # 1,000 against 50,000: a check (~1 min)
 
 Two databases of the product, the same in everything but their size:
 - `--small` (1,000) or `--jobs` (1,000,000) daily cron jobs due 2 to 24 hours ahead, each
@@ -28,9 +28,12 @@ Then `--passes` iterations at each size, alternating between the two databases i
    (`reconcile_run_once`, the broker's queue depths faked: no broker I/O is measured) and
    the reaper's pass (`reaper_run_once`).
 Each pass must create exactly `--due` runs and the reconciler republish nothing, or the
-bench says so. Prints median and p90 (ms) per step and size and the ratio of the medians;
-writes everything to bench/results/<UTC timestamp>-scale-<jobs>.json. Both databases are
-dropped at the end.
+bench says so. Then `--profile-passes` (5) more iterations at each size count the shared
+buffers each top-level step touched (pg_stat_database, flushed: the step's work whatever
+the box's load; a step inside a transaction is not counted) and, for the last, time every
+statement. Prints median and p90 (ms) per step and size and the ratio of the medians, the
+buffers, and the statements over `--statements` ms side by side; writes everything to
+bench/results/<UTC timestamp>-scale-<jobs>.json. Both databases are dropped at the end.
 """
 
 from __future__ import annotations
