@@ -24,7 +24,8 @@ One process does the work of one replica, in this process, on a fresh database a
   `run_execute_delivery`, packed: `run_execute_deliveries` 20 at a time), no Celery and no
   broker: runs per second in one process. Floor: one durable UPDATE of the run row a run.
 Beside each rate: this process's CPU and its PostgreSQL backend's CPU (from /proc) per run,
-the two costs a replica and a primary pay per run. Writes bench/results/<UTC>-replicas.json.
+the two costs a replica and a primary pay per run. Writes
+bench/results/<UTC timestamp>-replicas-<mode>-<queue type>.json.
 """
 
 from __future__ import annotations
@@ -88,6 +89,11 @@ def once_spec(task: str = "tests.record") -> dict:
     )  # fmt: skip
 
 
+# The spec's run_at is the job's due instant, as job_create writes it.
+RUN_AT_DUE = """jsonb_set(spec, '{schedule,run_at}', to_jsonb(to_char(due AT TIME ZONE 'UTC',
+                                                  'YYYY-MM-DD"T"HH24:MI:SS.US"+00:00"')))"""
+
+
 class Names:
     """Fresh job names per repetition."""
 
@@ -101,6 +107,7 @@ class Names:
             insert_jobs(
                 first=start, last=min(first + count, start + 100_000) - 1, name="due",
                 spec=once_spec(task), due="now() - interval '1 second'", next_run_at="due",
+                spec_sql=RUN_AT_DUE,
             )  # fmt: skip
 
 
