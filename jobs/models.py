@@ -329,8 +329,15 @@ class OutboxMessage(models.Model):
     class Meta:
         db_table = "dispatch_outboxmessage"  # moved from the dispatch app; the table stays
         indexes = [
-            # The relay claims by state, never by `id > last_seen` (rows commit out of order).
-            models.Index(fields=["id"], name="outbox_pending_idx", condition=Q(state="pending")),
+            # The relay claims by state, never by `id > last_seen` (rows commit out of order),
+            # each queue on its own (backpressure: a full queue's rows wait, the others go),
+            # by priority, then oldest first; it finds the queues with pending rows by
+            # skipping through the index, one probe per queue.
+            models.Index(
+                fields=["queue", "-priority", "id"],
+                name="outbox_pending_idx",
+                condition=Q(state="pending"),
+            ),
         ]
 
     def __str__(self) -> str:

@@ -232,6 +232,15 @@ def run_count_republish(*, run_id, now: dt.datetime) -> bool:
     )
 
 
+def runs_stamp_published_late(*, run_ids: list, now: dt.datetime) -> int:
+    """Queued runs whose message waited in the outbox (backpressure, an owner's limit) and
+    was published only now: `updated_at` is stamped, so that reconciliation's wait and its
+    evidence count from the publication, not from the queueing long before."""
+    if not run_ids:
+        return 0
+    return Run.objects.filter(id__in=run_ids, state=RunState.QUEUED).update(updated_at=now)
+
+
 def run_count_duplicate_delivery(*, run_id) -> bool:
     """A delivery refused because the run was already claimed or finished: counted on it."""
     return bool(

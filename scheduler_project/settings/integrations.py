@@ -26,6 +26,8 @@ CELERY_TASK_QUEUES = [
     )
     for name in SCHEDULER_QUEUES
 ]
+# The relay publishes to a queue only while its ready messages are under this mark.
+SCHEDULER_QUEUE_HIGH_WATER = env.SCHEDULER_QUEUE_HIGH_WATER
 CELERY_TASK_CREATE_MISSING_QUEUES = True
 CELERY_TASK_CREATE_MISSING_QUEUE_TYPE = SCHEDULER_QUEUE_TYPE
 

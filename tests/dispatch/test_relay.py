@@ -280,3 +280,48 @@ def test_the_relay_declares_the_allowed_queues_and_reports_a_refused_one(refused
         assert queues_declare(publisher, settings.SCHEDULER_QUEUES) == [refused_queue]
     finally:
         publisher.close()
+
+
+def _queue_depth(name: str) -> int:
+    with Connection(settings.CELERY_BROKER_URL) as broker:
+        return broker.channel().queue_declare(queue=name, passive=True).message_count
+
+
+def test_a_queue_at_its_high_water_mark_holds_its_rows_and_not_the_others(make_job, settings):
+    """No worker consumes: `jobs` fills to the mark (5) and stops, its rows wait pending;
+    another queue's rows go all the while; room made in `jobs` is filled again."""
+    other = f"other-{uuid.uuid4().hex[:8]}"
+    settings.SCHEDULER_QUEUES = [*settings.SCHEDULER_QUEUES, other]
+    purge_queue()
+    due = {"now": NOW - dt.timedelta(minutes=1),
+           "schedule": {"kind": "once", "run_at": NOW.isoformat()}}  # fmt: skip
+    for _ in range(12):
+        make_job(**due)
+    for _ in range(4):
+        make_job(queue=other, **due)
+    scheduler_run_once(now=NOW, config=SchedulerConfig())
+    publisher = ConfirmingPublisher(
+        settings.CELERY_BROKER_URL, settings.CELERY_BROKER_TRANSPORT_OPTIONS
+    )
+    config = RelayConfig(batch_size=3, high_water=5)
+    steps = []
+    try:
+        for _ in range(4):
+            result = relay_run_once(now=NOW, config=config, publisher=publisher)
+            steps.append((result.published, result.held_back, _queue_depth("jobs")))
+        # Two consumed: the next step fills the room again, and no more.
+        with Connection(settings.CELERY_BROKER_URL) as broker:
+            channel = broker.channel()
+            assert all(channel.basic_get("jobs", no_ack=True) for _ in range(2))
+        result = relay_run_once(now=NOW, config=config, publisher=publisher)
+        steps.append((result.published, result.held_back, _queue_depth("jobs")))
+        assert _queue_depth(other) == 4
+    finally:
+        publisher.close()
+        purge_queue()
+        with Connection(settings.CELERY_BROKER_URL) as broker:
+            broker.channel().queue_delete(other)
+    # (published in both queues, queues held back, ready in `jobs`)
+    assert steps == [(6, 0, 3), (3, 1, 5), (0, 1, 5), (0, 1, 5), (2, 1, 5)]
+    assert OutboxMessage.objects.filter(queue="jobs").count() == 12 - 7
+    assert not OutboxMessage.objects.filter(queue=other).exists()
