@@ -25,6 +25,7 @@ from django.db.models.functions import RowNumber
 
 from jobs import keys
 from jobs.audit import audit_event
+from jobs.lanes import lane_queue
 from jobs.models import (
     AuditEvent,
     Job,
@@ -224,7 +225,8 @@ def _runs_write(runs: list[NewRun], jobs: list[DueJob], now: dt.datetime) -> tup
          "scheduled_for": run.scheduled_for.isoformat(), "due_at": run.due_at.isoformat(),
          "idempotency_key": run.idempotency_key, "skip_reason": run.skip_reason,
          "finished_at": run.finished_at.isoformat() if run.finished_at else None,
-         "task_name": run.job.spec["task"], "queue": run.job.spec["queue"],
+         "task_name": run.job.spec["task"],
+         "queue": lane_queue(run.job.spec["queue"], RunKind.SCHEDULED),
          "priority": run.job.spec["priority"],
          "timeout_seconds": run.job.spec.get("timeout_seconds")}
         for position, run in enumerate(runs)

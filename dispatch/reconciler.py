@@ -24,7 +24,6 @@ from collections.abc import Callable
 
 from django.db import transaction
 from django.db.models import Exists, Max, OuterRef, Q, Subquery
-from django.db.models.fields.json import KeyTextTransform
 from kombu import Connection
 
 from jobs.audit import audit_record
@@ -38,7 +37,7 @@ from jobs.models import (
     Run,
     RunState,
 )
-from jobs.outbox import outbox_enqueue_runs
+from jobs.outbox import outbox_enqueue_runs, run_lane_queue
 from jobs.retry import retry_decision
 from jobs.transitions import run_count_republish, run_end_orphan, run_give_up
 
@@ -132,7 +131,7 @@ def _published_long_ago(*, now: dt.datetime, config: ReconcileConfig):
         Run.objects.filter(state=RunState.QUEUED, updated_at__lt=now - wait)
         .filter(backed_off)
         .filter(~Exists(OutboxMessage.objects.filter(run=OuterRef("pk"))))
-        .annotate(message_queue=KeyTextTransform("queue", "job_version__spec"))
+        .annotate(message_queue=run_lane_queue())
     )
 
 
@@ -144,7 +143,7 @@ def _latest_claimed_creations(queues: list[str]) -> dict[str, dt.datetime]:
     recent = Attempt.objects.order_by("-id").values("run_id")[:RECENT_CLAIMS]
     rows = (
         Run.objects.filter(id__in=Subquery(recent))
-        .annotate(message_queue=KeyTextTransform("queue", "job_version__spec"))
+        .annotate(message_queue=run_lane_queue())
         .filter(message_queue__in=queues)
         .values("message_queue")
         .annotate(latest=Max("created_at"))

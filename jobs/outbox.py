@@ -8,16 +8,33 @@ import datetime as dt
 import json
 
 from django.db import connection
-from django.db.models import F
+from django.db.models import Case, F, TextField, Value, When
+from django.db.models.fields.json import KeyTextTransform
+from django.db.models.functions import Concat
 
+from .lanes import LANES, lane_queue
 from .models import OutboxMessage, OutboxState, Run
 from .notify import CHANNEL_OUTBOX, notify
 from .redaction import redact
 
 
+def run_lane_queue():
+    """The Celery queue of a run (jobs.lanes.lane_queue) as an expression over Run rows:
+    its version's `queue`, with the lane of its kind."""
+    queue = KeyTextTransform("queue", "job_version__spec")
+    text = TextField()
+    return Case(
+        *(When(kind=kind, then=Concat(queue, Value(f".{lane}"), output_field=text))
+          for kind, lane in LANES.items()),
+        default=queue,
+        output_field=text,
+    )  # fmt: skip
+
+
 def outbox_enqueue_runs(*, runs: list[Run], now: dt.datetime) -> int:
-    """One task message per run (`run.job_version` must be loaded), in one INSERT; the
-    relays are woken when the transaction commits. Returns the rows written."""
+    """One task message per run (`run.job_version` must be loaded), in one INSERT, to the
+    lane of the run's kind (jobs.lanes); the relays are woken when the transaction commits.
+    Returns the rows written."""
     if not runs:
         return 0
     specs = [run.job_version.spec for run in runs]
@@ -26,7 +43,7 @@ def outbox_enqueue_runs(*, runs: list[Run], now: dt.datetime) -> int:
             OutboxMessage(
                 run_id=run.id,
                 task_name=spec["task"],
-                queue=spec["queue"],
+                queue=lane_queue(spec["queue"], run.kind),
                 priority=spec["priority"],
                 timeout_seconds=spec.get("timeout_seconds"),
                 created_at=now,
@@ -38,7 +55,8 @@ def outbox_enqueue_runs(*, runs: list[Run], now: dt.datetime) -> int:
     # per-field conversion or array quoting per row, which at thousands of runs a second
     # were most of the writer's time.
     rows = [
-        {"run_id": str(run.id), "task_name": spec["task"], "queue": spec["queue"],
+        {"run_id": str(run.id), "task_name": spec["task"],
+         "queue": lane_queue(spec["queue"], run.kind),
          "priority": spec["priority"], "timeout_seconds": spec.get("timeout_seconds")}
         for run, spec in zip(runs, specs, strict=True)
     ]  # fmt: skip

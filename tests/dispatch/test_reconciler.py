@@ -348,3 +348,35 @@ def test_a_backlogged_queue_does_not_starve_lost_messages_on_other_queues(queued
     assert all(Run.objects.get(id=run.id).republish_count == 0 for run in backlog)
     assert Run.objects.get(id=lost.id).republish_count == 1
     assert OutboxMessage.objects.filter(run=lost, state=OutboxState.PENDING).count() == 1
+
+
+def test_a_lost_backfill_or_manual_run_is_judged_by_its_lane_and_sent_there_again(queued_run, user):
+    """Backfill and manual runs travel in their job's queue's lanes (jobs.lanes): their
+    queue's depth is asked of the lane, and the republished row goes to the lane."""
+    from jobs.services import job_backfill, job_trigger
+
+    job = queued_run().job
+    created = NOW - dt.timedelta(hours=1)
+    [backfilled] = job_backfill(job=job, instants=[created - dt.timedelta(days=1)],
+                                actor=user, now=created).created  # fmt: skip
+    triggered = job_trigger(job=job, actor=user, now=created)
+    assert dict(OutboxMessage.objects.values_list("run_id", "queue")) == {
+        Run.objects.get(job=job, kind="scheduled").id: "jobs",
+        backfilled.id: "jobs.backfill",
+        triggered.id: "jobs.manual",
+    }
+    for run in Run.objects.filter(job=job):
+        publish(run, at=later(-THRESHOLD - 1))
+    asked = []
+
+    def depth(queue: str) -> int:
+        asked.append(queue)
+        return 0
+
+    assert reconcile_run_once(now=NOW, config=CONFIG, queue_depth=depth).republished == 3
+    assert sorted(asked) == ["jobs", "jobs.backfill", "jobs.manual"]
+    assert dict(OutboxMessage.objects.values_list("run_id", "queue")) == {
+        Run.objects.get(job=job, kind="scheduled").id: "jobs",
+        backfilled.id: "jobs.backfill",
+        triggered.id: "jobs.manual",
+    }

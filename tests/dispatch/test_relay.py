@@ -325,3 +325,28 @@ def test_a_queue_at_its_high_water_mark_holds_its_rows_and_not_the_others(make_j
     assert steps == [(6, 0, 3), (3, 1, 5), (0, 1, 5), (0, 1, 5), (2, 1, 5)]
     assert OutboxMessage.objects.filter(queue="jobs").count() == 12 - 7
     assert not OutboxMessage.objects.filter(queue=other).exists()
+
+
+def test_a_queue_s_rows_go_by_priority_then_oldest_first(make_job):
+    """`priority` (0-9) orders what waits in the outbox for a queue: the relay's claim takes
+    the highest first, then the oldest; the broker's queue itself stays first in, first out."""
+    purge_queue()
+    due = {"now": NOW - dt.timedelta(minutes=1),
+           "schedule": {"kind": "once", "run_at": NOW.isoformat()}}  # fmt: skip
+    for priority in (0, 0, 5, 9, 5, 0):
+        make_job(priority=priority, **due)
+    scheduler_run_once(now=NOW, config=SchedulerConfig())
+    rows = OutboxMessage.objects.values_list("priority", "id", "run_id")
+    expected = [str(run_id) for _, _, run_id in sorted(rows, key=lambda r: (-r[0], r[1]))]
+    publisher = ConfirmingPublisher(
+        settings.CELERY_BROKER_URL, settings.CELERY_BROKER_TRANSPORT_OPTIONS
+    )
+    try:
+        for _ in range(3):
+            relay_run_once(now=NOW, config=RelayConfig(batch_size=2), publisher=publisher)
+    finally:
+        publisher.close()
+    assert [m["body"][1]["run_id"] for m in _drain_queue()] == expected
+    assert [priority for priority, _, _ in sorted(rows, key=lambda r: (-r[0], r[1]))] == [
+        9, 5, 5, 0, 0, 0
+    ]  # fmt: skip

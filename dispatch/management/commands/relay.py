@@ -10,6 +10,7 @@ from dispatch.relay import (
     relay_sleep,
 )
 from dispatch.wakeup import Listener
+from jobs.lanes import lane_queues
 from jobs.notify import CHANNEL_OUTBOX
 
 
@@ -47,7 +48,7 @@ class Command(BaseCommand):
             sleep=lambda result: relay_sleep(result, config),
             publisher=publisher,
         )
-        queues_declare(publisher, settings.SCHEDULER_QUEUES)
+        queues_declare(publisher, lane_queues(settings.SCHEDULER_QUEUES))
         stop = StopSignal().install()
         listener = Listener((CHANNEL_OUTBOX,), stop)
         self.stdout.write("relay started")
