@@ -20,6 +20,7 @@ filesystem broker) publish through kombu's Producer.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import datetime as dt
 import logging
@@ -40,13 +41,14 @@ from jobs.models import FailureReason, OutboxMessage, OutboxState
 from jobs.outbox import outbox_delete_published, outbox_record_failure
 from jobs.redaction import redact
 from jobs.registry import task_pack_size
-from jobs.transitions import run_give_up, runs_stamp_published_late
+from jobs.transitions import active_runs_record, run_give_up, runs_stamp_published_late
 
 from .config import config_require
 from .failpoints import failpoint
 from .loop import BROKER_ERRORS
 from .packing import outbox_packs, pack_time_limit
 from .runtime import HARD_TIME_LIMIT_GRACE, PACK_RUN_GRACE_SECONDS
+from .shares import OwnerTurns, allowances, claim_shares
 
 log = logging.getLogger("dispatch.relay")
 # Placeholders of the exact length of what replaces them (a UUID's 36 characters; an
@@ -72,13 +74,18 @@ class RelayConfig:
     # counts them before each claim, plus what one claim adds, never pass this mark; the
     # rows of a full queue wait in PostgreSQL. None: no limit.
     high_water: int | None = 10_000
-    # The sleep while rows wait for room (a full queue): the relay looks again this often.
+    # The sleep while rows wait for room (a full queue, an owner at its limit): the relay
+    # looks again this often.
     held_poll_interval: float = 0.25
+    # Fair shares (SCHEDULER_OWNER_MAX_ACTIVE_RUNS): at most this many runs of one owner
+    # in the broker or running at once, unless an operator set the owner's own
+    # (jobs.OwnerLimit); None: unlimited.
+    owner_max_active_runs: int | None = None
 
     def __post_init__(self) -> None:
         config_require(
             self,
-            at_least_one=("batch_size", "max_refusals", "high_water"),
+            at_least_one=("batch_size", "max_refusals", "high_water", "owner_max_active_runs"),
             positive=("confirm_timeout", "poll_interval", "held_poll_interval"),
         )
 
@@ -88,7 +95,7 @@ class RelayResult:
     published: int
     batch_full: bool
     undeliverable: int = 0
-    # Queues whose rows waited this step for room in the broker.
+    # Queues whose rows waited this step for room in the broker or for an owner's limit.
     held_back: int = 0
 
 
@@ -104,9 +111,11 @@ class PendingMessage:
     priority: int
     timeout_seconds: int | None
     created_at: dt.datetime | None = None
+    owner_id: object = None
 
 
-PENDING_FIELDS = [field.name for field in dataclasses.fields(PendingMessage)]
+# The columns claimed, the owner's id last (dispatch.shares adds it).
+PENDING_FIELDS = [field.name for field in dataclasses.fields(PendingMessage)][:-1]
 
 
 class BrokerUnconfirmed(ConnectionError):
@@ -373,13 +382,21 @@ class ConfirmingPublisher:
 
 
 def relay_run_once(
-    *, now: dt.datetime, config: RelayConfig, publisher: ConfirmingPublisher
+    *,
+    now: dt.datetime,
+    config: RelayConfig,
+    publisher: ConfirmingPublisher,
+    turns: OwnerTurns | None = None,
 ) -> RelayResult:
     """Publish pending rows queue by queue, each queue in its own transaction: up to a
     batch, and no more than the room its high-water mark leaves (the broker's count of its
     ready messages, asked once per queue per step). A full queue's rows wait; a queue the
     broker refuses keeps its rows pending (a try counted each step, then `undeliverable`);
-    neither holds back another queue. An outage stops the step (the loop backs off)."""
+    neither holds back another queue. Within a queue, owners share the room in turn and an
+    owner at its limit is passed over (dispatch.shares; `turns` rotates who goes first,
+    kept by the relay's process across steps). An outage stops the step (the loop backs
+    off)."""
+    turns = turns or OwnerTurns()
     published_at = published_at_text(now)
     published = undeliverable = held_back = 0
     batch_full = False
@@ -389,15 +406,15 @@ def relay_run_once(
             held_back += 1
             continue
         limit = min(room, config.batch_size)
-        sent, refused = _relay_queue(
+        sent, refused, owners_held = _relay_queue(
             queue, limit=limit, now=now, published_at=published_at, config=config,
-            publisher=publisher,
+            publisher=publisher, turns=turns,
         )  # fmt: skip
         published += sent
         undeliverable += refused
         if sent >= limit:
             batch_full |= limit == config.batch_size
-            held_back += limit < config.batch_size
+        held_back += owners_held or (sent >= limit and limit < config.batch_size)
     return RelayResult(
         published=published,
         batch_full=batch_full,
@@ -470,19 +487,25 @@ def _relay_queue(
     published_at: str,
     config: RelayConfig,
     publisher: ConfirmingPublisher,
-) -> tuple[int, int]:
-    """Claim up to `limit` of the queue's pending rows (by priority, then oldest first),
-    publish them and wait for the confirms, then delete them: (published, undeliverable)."""
+    turns: OwnerTurns,
+) -> tuple[int, int, bool]:
+    """Claim up to `limit` of the queue's pending rows, shared among their owners in turn
+    (each owner's by priority, then oldest first; an owner at its limit passed over),
+    publish them and wait for the confirms, then delete them: (published, undeliverable,
+    whether an owner's rows waited for its limit)."""
     with transaction.atomic():
-        rows = (
-            OutboxMessage.objects.select_for_update(skip_locked=True)
-            .filter(state=OutboxState.PENDING, queue=queue)
-            .order_by("-priority", "id")
-            .values_list(*PENDING_FIELDS)[:limit]
-        )
+        owners = turns.owners(queue)
+        allowed, limited = allowances(owners, default_limit=config.owner_max_active_runs)
+        rows = claim_shares(queue, room=limit, owners=owners, allowed=allowed,
+                            fields=PENDING_FIELDS)  # fmt: skip
         messages = [PendingMessage(*row) for row in rows]
+        # An owner that got all it was allowed (at its limit now) may have more waiting.
+        claimed = collections.Counter(message.owner_id for message in messages)
+        owners_held = any(
+            allowed[owner] is not None and claimed[owner] >= allowed[owner] for owner in owners
+        )
         if not messages:
-            return 0, 0
+            return 0, 0, owners_held
         ids = [message.id for message in messages]
         try:
             publisher.publish_batch_and_confirm(
@@ -495,7 +518,7 @@ def _relay_queue(
             log.warning("the broker refused queue %r: %s", queue, exc)
             outbox_record_failure(message_ids=ids, error=exc)
             return 0, _runs_undeliverable(queue=queue, ids=ids, reason=exc, now=now,
-                                          config=config)  # fmt: skip
+                                          config=config), owners_held  # fmt: skip
         except BROKER_ERRORS as exc:
             publisher.reset()
             failure = exc
@@ -507,7 +530,10 @@ def _relay_queue(
                 run_ids=[m.run_id for m in messages if m.created_at and m.created_at < late],
                 now=now,
             )
-            return len(ids), 0
+            active_runs_record(
+                runs=[(m.run_id, m.owner_id) for m in messages if m.owner_id in limited], now=now
+            )
+            return len(ids), 0, owners_held
     outbox_record_failure(message_ids=ids, error=failure)
     raise failure
 

@@ -65,6 +65,13 @@ def env_positive_int(name: str, default: int) -> int:
 
 # Backpressure: the relay keeps each queue's ready messages under this mark (docs/semantics.md).
 SCHEDULER_QUEUE_HIGH_WATER = env_positive_int("SCHEDULER_QUEUE_HIGH_WATER", 10_000)
+# Fair shares: at most this many runs of one owner in the broker or running at once
+# (empty: unlimited); an operator's per-owner limit (jobs.OwnerLimit) overrides it.
+SCHEDULER_OWNER_MAX_ACTIVE_RUNS = (
+    env_positive_int("SCHEDULER_OWNER_MAX_ACTIVE_RUNS", 1)
+    if env_str("SCHEDULER_OWNER_MAX_ACTIVE_RUNS", "")
+    else None
+)
 
 # Run logs: where their content goes (any Django storage backend: a dotted class path, and
 # its options as JSON), how long they are kept, and how much one attempt may write.

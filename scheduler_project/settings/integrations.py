@@ -31,6 +31,9 @@ CELERY_TASK_QUEUES = [
 ]
 # The relay publishes to a queue only while its ready messages are under this mark.
 SCHEDULER_QUEUE_HIGH_WATER = env.SCHEDULER_QUEUE_HIGH_WATER
+# The relay publishes at most this many runs of one owner into the broker or running at
+# once (None: unlimited), unless an operator set the owner's own (jobs.OwnerLimit).
+SCHEDULER_OWNER_MAX_ACTIVE_RUNS = env.SCHEDULER_OWNER_MAX_ACTIVE_RUNS
 CELERY_TASK_CREATE_MISSING_QUEUES = True
 CELERY_TASK_CREATE_MISSING_QUEUE_TYPE = SCHEDULER_QUEUE_TYPE
 

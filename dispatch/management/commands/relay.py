@@ -9,6 +9,7 @@ from dispatch.relay import (
     relay_run_once,
     relay_sleep,
 )
+from dispatch.shares import OwnerTurns
 from dispatch.wakeup import Listener
 from jobs.lanes import lane_queues
 from jobs.notify import CHANNEL_OUTBOX
@@ -36,6 +37,7 @@ class Command(BaseCommand):
                 batch_size=batch_size,
                 poll_interval=poll_interval,
                 high_water=settings.SCHEDULER_QUEUE_HIGH_WATER,
+                owner_max_active_runs=settings.SCHEDULER_OWNER_MAX_ACTIVE_RUNS,
             )
         except ValueError as exc:
             raise CommandError(str(exc)) from exc
@@ -47,6 +49,7 @@ class Command(BaseCommand):
             config,
             sleep=lambda result: relay_sleep(result, config),
             publisher=publisher,
+            turns=OwnerTurns(),
         )
         queues_declare(publisher, lane_queues(settings.SCHEDULER_QUEUES))
         stop = StopSignal().install()
