@@ -35,6 +35,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import ROOT, bench_environment, print_profile  # noqa: E402
 
 
+# The bench's runs are manual (no occurrence to be unique on): they travel in the manual
+# lane of `jobs` (jobs/lanes.py).
+QUEUE = "jobs.manual"
+
+
 def fill_outbox(rows: int, chunk: int = 5000) -> None:
     """N queued runs of one job, each with its pending outbox row, in a few bulk inserts."""
     import datetime as dt
@@ -151,7 +156,7 @@ def purge() -> None:
     from kombu import Connection
 
     with Connection(settings.CELERY_BROKER_URL) as broker:
-        broker.channel().queue_purge("jobs")
+        broker.channel().queue_purge(QUEUE)
 
 
 def start_relays(count: int, env: dict) -> list:
@@ -206,7 +211,7 @@ def latency(trials: int, env: dict) -> list[float]:
     seconds = []
     try:
         with Connection(settings.CELERY_BROKER_URL) as broker:
-            queue = broker.SimpleQueue(current_app.amqp.queues["jobs"], no_ack=True)
+            queue = broker.SimpleQueue(current_app.amqp.queues[QUEUE], no_ack=True)
             for _ in range(trials):
                 time.sleep(0.05)  # the relay is idle again, waiting on LISTEN
                 fill_outbox(1)  # one run and its outbox row; the relays notified at commit
