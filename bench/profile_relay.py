@@ -34,7 +34,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import ROOT, bench_environment, print_profile  # noqa: E402
 
-
 # The bench's runs are manual (no occurrence to be unique on): they travel in the manual
 # lane of `jobs` (jobs/lanes.py).
 QUEUE = "jobs.manual"

@@ -494,8 +494,9 @@ def _relay_queue(
     publish them and wait for the confirms, then delete them: (published, undeliverable,
     whether an owner's rows waited for its limit)."""
     with transaction.atomic():
-        owners = turns.owners(queue)
-        allowed, limited = allowances(owners, default_limit=config.owner_max_active_runs)
+        found = turns.owners(queue)
+        allowed, limited = allowances(found, default_limit=config.owner_max_active_runs)
+        owners = list(found)
         rows = claim_shares(queue, room=limit, owners=owners, allowed=allowed,
                             fields=PENDING_FIELDS)  # fmt: skip
         messages = [PendingMessage(*row) for row in rows]

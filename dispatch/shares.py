@@ -47,28 +47,36 @@ class OwnerTurns:
         self.after: dict[str, object] = {}  # queue -> the last owner of a full owner scan
         self.turn: dict[str, int] = collections.Counter()
 
-    def owners(self, queue: str) -> list:
-        owners = _owners_with_pending_rows(queue, after=self.after.get(queue))
+    def owners(self, queue: str) -> dict:
+        """Owner -> its operator's limit (UNSET where none) of the owners with pending rows
+        in the queue, the one whose turn it is first."""
+        found = _owners_with_pending_rows(queue, after=self.after.get(queue))
+        owners = list(found)
         if len(owners) >= MAX_OWNERS:
             self.after[queue] = owners[-1]
         else:
             self.after.pop(queue, None)
         self.turn[queue] += 1
-        if not owners:
-            return owners
-        start = self.turn[queue] % len(owners)
-        return owners[start:] + owners[:start]
+        start = self.turn[queue] % len(owners) if owners else 0
+        return {owner: found[owner] for owner in owners[start:] + owners[:start]}
 
 
-def _owners_with_pending_rows(queue: str, *, after) -> list:
-    """Up to MAX_OWNERS owners with pending rows in the queue, in order of id after `after`."""
+UNSET = object()  # an owner without an operator's limit
+
+
+def _owners_with_pending_rows(queue: str, *, after) -> dict:
+    """Up to MAX_OWNERS owners with pending rows in the queue, in order of id after
+    `after`, each with its operator's limit (UNSET where none): one statement."""
     pending = OutboxMessage.objects.filter(state=OutboxState.PENDING, queue=queue)
     if connection.vendor != "postgresql":
         if after is not None:
             pending = pending.filter(owner_id__gt=after)
         owners = pending.order_by("owner_id").values_list("owner_id", flat=True).distinct()
-        return list(owners[:MAX_OWNERS])
-    table = OutboxMessage._meta.db_table
+        owners = list(owners[:MAX_OWNERS])
+        limits = OwnerLimit.objects.filter(owner_id__in=owners)
+        found = dict(limits.values_list("owner_id", "max_active_runs"))
+        return {owner: found.get(owner, UNSET) for owner in owners}
+    table, limits = OutboxMessage._meta.db_table, OwnerLimit._meta.db_table
     start = "AND owner_id > %(after)s" if after is not None else ""
     with connection.cursor() as cursor:
         cursor.execute(
@@ -83,21 +91,16 @@ def _owners_with_pending_rows(queue: str, *, after) -> list:
                            AND o.owner_id > owners.owner_id
                          ORDER BY o.owner_id LIMIT 1)
                   FROM owners WHERE owners.owner_id IS NOT NULL
+            ), found AS (
+                SELECT owner_id FROM owners WHERE owner_id IS NOT NULL LIMIT %(limit)s
             )
-            SELECT owner_id FROM owners WHERE owner_id IS NOT NULL LIMIT %(limit)s
+            SELECT found.owner_id, limits.owner_id IS NOT NULL, limits.max_active_runs
+              FROM found LEFT JOIN {limits} AS limits USING (owner_id)
+             ORDER BY found.owner_id
             """,
             {"pending": OutboxState.PENDING, "queue": queue, "after": after, "limit": MAX_OWNERS},
         )
-        return [owner for (owner,) in cursor.fetchall()]
-
-
-def owner_limits(owners: list, *, default: int | None) -> dict:
-    """Owner -> its limit of active runs (None: unlimited): an operator's OwnerLimit, else
-    the default (SCHEDULER_OWNER_MAX_ACTIVE_RUNS)."""
-    overrides = dict(
-        OwnerLimit.objects.filter(owner_id__in=owners).values_list("owner_id", "max_active_runs")
-    )
-    return {owner: overrides.get(owner, default) for owner in owners}
+        return {owner: limit if set_ else UNSET for owner, set_, limit in cursor.fetchall()}
 
 
 def owners_active(owners: Iterable) -> dict:
@@ -127,10 +130,12 @@ def owners_locked(owners: list) -> set:
         return {owner for (owner,) in cursor.fetchall()}
 
 
-def allowances(owners: list, *, default_limit: int | None) -> tuple[dict, set]:
+def allowances(owners: dict, *, default_limit: int | None) -> tuple[dict, set]:
     """Owner -> how many more of its runs may be published now (None: no limit), and the
-    limited owners among them (whose publications are recorded as ActiveRun)."""
-    limits = owner_limits(owners, default=default_limit)
+    limited owners among them (whose publications are recorded as ActiveRun). `owners`:
+    owner -> its operator's limit (UNSET where none: then `default_limit`,
+    SCHEDULER_OWNER_MAX_ACTIVE_RUNS)."""
+    limits = {owner: default_limit if limit is UNSET else limit for owner, limit in owners.items()}
     limited = [owner for owner in owners if limits[owner] is not None]
     locked = owners_locked(limited)
     active = owners_active(locked)
