@@ -114,6 +114,17 @@ def owners_active(owners: Iterable) -> dict:
     return dict(counted.annotate(count=Count("run_id")).order_by())
 
 
+def owner_at_limit(owner, *, default_limit: int | None) -> bool:
+    """Whether the owner has its limit of runs in the broker or running (a read: for
+    reconciliation's alarm, not for a claim)."""
+    override = OwnerLimit.objects.filter(owner_id=owner).values_list("max_active_runs").first()
+    limit = override[0] if override else default_limit
+    if limit is None:
+        return False
+    active = ActiveRun.objects.filter(owner_id=owner, run__state__in=ACTIVE_STATES)
+    return active.count() >= limit
+
+
 def owners_locked(owners: list) -> set:
     """The owners whose limit this transaction now holds (an advisory lock each, released at
     commit); another relay holding one right now is claiming for that owner."""

@@ -6,6 +6,7 @@ the session's real RabbitMQ vhost."""
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import time
 import uuid
@@ -147,6 +148,45 @@ def test_a_run_whose_outbox_row_is_still_pending_is_left_alone(queued_run):
     assert result == ReconcileResult(outbox_stuck=1)
     assert snapshot(run.id) == before
     assert not AuditEvent.objects.filter(run=run).exists()
+
+
+def test_a_row_held_back_by_a_full_queue_or_an_owner_s_limit_is_not_alarmed(
+    queued_run, user, caplog
+):
+    """Backpressure and owners' limits keep rows waiting on purpose: past the alarm's age
+    they are only noted, unless the relay failed on them or nothing explains the wait."""
+    import logging
+
+    from jobs.models import ActiveRun, OwnerLimit
+
+    caplog.set_level(logging.INFO, logger="dispatch.reconciler")
+    queued_run(created=NOW - dt.timedelta(hours=1))
+    full = dataclasses.replace(CONFIG, queue_high_water=10)
+
+    def errors() -> list[str]:
+        return [r.message for r in caplog.records if r.levelno >= logging.ERROR]
+
+    assert reconcile_run_once(now=NOW, config=full, queue_depth=lambda queue: 10) == (
+        ReconcileResult(outbox_held_back=1)
+    )
+    assert reconcile_run_once(now=NOW, config=full, queue_depth=lambda queue: 9) == (
+        ReconcileResult(outbox_stuck=1)
+    )
+    assert len(errors()) == 1
+    # Its owner has its limit of runs in the broker or running.
+    other = queued_run(created=NOW - dt.timedelta(hours=2))
+    OutboxMessage.objects.filter(run=other).delete()
+    ActiveRun.objects.create(run=other, owner=user, published_at=NOW)
+    OwnerLimit.objects.create(owner=user, max_active_runs=1)
+    assert reconcile_run_once(now=NOW, config=CONFIG, queue_depth=lambda queue: 9) == (
+        ReconcileResult(outbox_held_back=1)
+    )
+    # A row the relay failed on is stuck, whatever else holds it.
+    OutboxMessage.objects.update(publish_tries=1, last_error="refused")
+    assert reconcile_run_once(now=NOW, config=full, queue_depth=lambda queue: 10) == (
+        ReconcileResult(outbox_stuck=1)
+    )
+    assert len(errors()) == 2
 
 
 def test_after_max_republish_tries_the_run_fails_as_undeliverable(queued_run, user):
