@@ -1,9 +1,12 @@
 """The outbox relay: publishes pending outbox rows and deletes them only once confirmed.
 
-`relay_run_once` claims a batch of pending rows with FOR UPDATE SKIP LOCKED (so relays
-split the work), publishes every message of the batch as a real Celery task message, waits
-for the broker's confirms of the whole batch (one round trip, not one per message), and in
-the same transaction deletes the rows: a confirmed row has nothing left to say, and the run
+`relay_run_once` works queue by queue (each queue's lanes are queues of their own,
+jobs.lanes): it claims a batch of a queue's pending rows with FOR UPDATE SKIP LOCKED (so
+relays split the work), no more than the queue's high-water mark leaves room for
+(backpressure), shared among the rows' owners in turn, an owner at its limit passed over
+(dispatch.shares), publishes every message of the batch as a real Celery task message,
+waits for the broker's confirms of the whole batch (one round trip, not one per message),
+and in the same transaction deletes the rows: a confirmed row has nothing left to say, and the run
 row is not touched (the worker's claim records `published_at`, which travels in the
 message). A crash anywhere before the commit leaves the rows pending: they are published
 again, and the worker's claim refuses the duplicate.

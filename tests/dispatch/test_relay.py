@@ -350,3 +350,16 @@ def test_a_queue_s_rows_go_by_priority_then_oldest_first(make_job):
     assert [priority for priority, _, _ in sorted(rows, key=lambda r: (-r[0], r[1]))] == [
         9, 5, 5, 0, 0, 0
     ]  # fmt: skip
+
+
+def test_a_transport_that_cannot_count_a_queue_has_no_backpressure(tmp_path):
+    """The embedded filesystem broker tells no depth: the relay publishes without a mark."""
+    folder = tmp_path / "broker"
+    folder.mkdir()
+    publisher = ConfirmingPublisher(
+        "filesystem://", {"data_folder_in": str(folder), "data_folder_out": str(folder)}
+    )
+    try:
+        assert publisher.queue_depth("jobs") is None
+    finally:
+        publisher.close()
