@@ -34,6 +34,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import ROOT, bench_environment, print_profile  # noqa: E402
 
+# The bench's runs are manual (no occurrence to be unique on): they travel in the manual
+# lane of `jobs` (jobs/lanes.py).
+QUEUE = "jobs.manual"
+
 
 def fill_outbox(rows: int, chunk: int = 5000) -> None:
     """N queued runs of one job, each with its pending outbox row, in a few bulk inserts."""
@@ -90,7 +94,8 @@ def drain(batch_size: int) -> int:
     from dispatch.relay import ConfirmingPublisher, RelayConfig, relay_run_once
     from jobs.clock import db_now
 
-    config = RelayConfig(batch_size=batch_size)
+    # No high-water mark: the bench measures publishing into a queue no worker drains.
+    config = RelayConfig(batch_size=batch_size, high_water=None)
     publisher = ConfirmingPublisher(
         settings.CELERY_BROKER_URL, settings.CELERY_BROKER_TRANSPORT_OPTIONS
     )
@@ -150,7 +155,7 @@ def purge() -> None:
     from kombu import Connection
 
     with Connection(settings.CELERY_BROKER_URL) as broker:
-        broker.channel().queue_purge("jobs")
+        broker.channel().queue_purge(QUEUE)
 
 
 def start_relays(count: int, env: dict) -> list:
@@ -205,7 +210,7 @@ def latency(trials: int, env: dict) -> list[float]:
     seconds = []
     try:
         with Connection(settings.CELERY_BROKER_URL) as broker:
-            queue = broker.SimpleQueue(current_app.amqp.queues["jobs"], no_ack=True)
+            queue = broker.SimpleQueue(current_app.amqp.queues[QUEUE], no_ack=True)
             for _ in range(trials):
                 time.sleep(0.05)  # the relay is idle again, waiting on LISTEN
                 fill_outbox(1)  # one run and its outbox row; the relays notified at commit

@@ -11,7 +11,8 @@ def worker_argv(
     loglevel: str = "INFO",
     extra: tuple[str, ...] = (),
 ) -> list[str]:
-    """A Celery worker consuming `queues`, with any extra options (`--pool=solo`, ...).
+    """A Celery worker consuming `queues` (and the lanes of each configured one, which the
+    worker adds itself: scheduler_project/celery.py), with any extra options.
 
     Gossip and mingle are off: the scheduler keeps its state in PostgreSQL and uses neither.
     Worker heartbeats stay on: without their timer, a solo-pool worker was measured to stall

@@ -27,6 +27,7 @@ from django.db.models.functions import RowNumber
 
 from jobs import keys
 from jobs.audit import audit_event
+from jobs.lanes import lane_queue
 from jobs.models import (
     AuditEvent,
     Job,
@@ -72,6 +73,7 @@ class DueJob:
     next_run_at: dt.datetime | None
     created_at: dt.datetime
     resumed_at: dt.datetime | None
+    owner_id: int
 
 
 @dataclasses.dataclass(slots=True)
@@ -143,7 +145,7 @@ def _claim_due_jobs(
         .order_by()
         .values_list(
             "id", "state", "versions__id", "versions__spec",
-            "next_run_at", "created_at", "resumed_at",
+            "next_run_at", "created_at", "resumed_at", "owner_id",
         )
     )  # fmt: skip
     return [DueJob(*row) for row in rows]
@@ -233,11 +235,13 @@ def _runs_write(runs: list[NewRun], jobs: list[DueJob], now: dt.datetime) -> tup
         return _runs_write_portable(runs, jobs, now)
     rows = [
         {"position": position, "id": str(run.id), "job_id": str(run.job.id),
-         "job_version_id": run.job.version_id, "state": run.state,
+         "job_version_id": run.job.version_id, "owner_id": run.job.owner_id,
+         "state": run.state,
          "scheduled_for": run.scheduled_for.isoformat(), "due_at": run.due_at.isoformat(),
          "idempotency_key": run.idempotency_key, "skip_reason": run.skip_reason,
          "finished_at": run.finished_at.isoformat() if run.finished_at else None,
-         "task_name": run.job.spec["task"], "queue": run.job.spec["queue"],
+         "task_name": run.job.spec["task"],
+         "queue": lane_queue(run.job.spec["queue"], RunKind.SCHEDULED),
          "priority": run.job.spec["priority"],
          "timeout_seconds": run.job.spec.get("timeout_seconds")}
         for position, run in enumerate(runs)
@@ -247,7 +251,8 @@ def _runs_write(runs: list[NewRun], jobs: list[DueJob], now: dt.datetime) -> tup
             f"""
             WITH planned AS MATERIALIZED (
                 SELECT * FROM jsonb_to_recordset(%(rows)s::jsonb) AS planned(
-                    position int, id uuid, job_id uuid, job_version_id bigint, state text,
+                    position int, id uuid, job_id uuid, job_version_id bigint,
+                    owner_id bigint, state text,
                     scheduled_for timestamptz, due_at timestamptz, idempotency_key text,
                     skip_reason text, finished_at timestamptz, task_name text, queue text,
                     priority int, timeout_seconds int)
@@ -265,9 +270,9 @@ def _runs_write(runs: list[NewRun], jobs: list[DueJob], now: dt.datetime) -> tup
                 RETURNING id, state
             ), outboxed AS (
                 INSERT INTO {OutboxMessage._meta.db_table}
-                       (run_id, message_id, task_name, queue, priority, timeout_seconds,
-                        state, created_at, publish_tries, last_error)
-                SELECT planned.id, gen_random_uuid(), task_name, queue, priority,
+                       (run_id, owner_id, message_id, task_name, queue, priority,
+                        timeout_seconds, state, created_at, publish_tries, last_error)
+                SELECT planned.id, owner_id, gen_random_uuid(), task_name, queue, priority,
                        timeout_seconds, %(pending)s, %(now)s, 0, ''
                   FROM created JOIN planned USING (id)
                  WHERE created.state = %(queued)s

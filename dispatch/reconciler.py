@@ -24,7 +24,6 @@ from collections.abc import Callable
 
 from django.db import transaction
 from django.db.models import Exists, Max, OuterRef, Q, Subquery
-from django.db.models.fields.json import KeyTextTransform
 from kombu import Connection
 
 from jobs.audit import audit_record
@@ -38,12 +37,13 @@ from jobs.models import (
     Run,
     RunState,
 )
-from jobs.outbox import outbox_enqueue_runs
+from jobs.outbox import outbox_enqueue_runs, run_lane_queue
 from jobs.retry import retry_decision
 from jobs.transitions import run_count_republish, run_end_orphan, run_give_up
 
 from .config import config_require
 from .loop import BROKER_ERRORS
+from .shares import owner_at_limit
 
 log = logging.getLogger("dispatch.reconciler")
 
@@ -69,11 +69,15 @@ class ReconcileConfig:
     max_republish: int | None = None
     running_orphan_after_seconds: float = 30.0
     outbox_alarm_after_seconds: float = 60.0
+    # What the relays hold rows back for (SCHEDULER_QUEUE_HIGH_WATER,
+    # SCHEDULER_OWNER_MAX_ACTIVE_RUNS): rows waiting for them are not alarmed as stuck.
+    queue_high_water: int | None = None
+    owner_max_active_runs: int | None = None
 
     def __post_init__(self) -> None:
         config_require(
             self,
-            at_least_one=("batch_size",),
+            at_least_one=("batch_size", "queue_high_water", "owner_max_active_runs"),
             positive=(
                 "poll_interval",
                 "queued_after_seconds",
@@ -90,6 +94,8 @@ class ReconcileResult:
     undeliverable: int = 0
     orphans_repaired: int = 0
     outbox_stuck: int = 0
+    # Rows past the alarm's age whose wait backpressure or an owner's limit explains.
+    outbox_held_back: int = 0
 
 
 def reconcile_run_once(
@@ -100,12 +106,13 @@ def reconcile_run_once(
     )
     with transaction.atomic():
         orphans = _repair_orphaned_running(now=now, config=config)
-    stuck = _alarm_stuck_outbox(now=now, config=config)
+    stuck, held_back = _alarm_stuck_outbox(now=now, config=config, queue_depth=queue_depth)
     return ReconcileResult(
         republished=republished,
         undeliverable=undeliverable,
         orphans_repaired=orphans,
         outbox_stuck=stuck,
+        outbox_held_back=held_back,
     )
 
 
@@ -132,7 +139,7 @@ def _published_long_ago(*, now: dt.datetime, config: ReconcileConfig):
         Run.objects.filter(state=RunState.QUEUED, updated_at__lt=now - wait)
         .filter(backed_off)
         .filter(~Exists(OutboxMessage.objects.filter(run=OuterRef("pk"))))
-        .annotate(message_queue=KeyTextTransform("queue", "job_version__spec"))
+        .annotate(message_queue=run_lane_queue())
     )
 
 
@@ -144,7 +151,7 @@ def _latest_claimed_creations(queues: list[str]) -> dict[str, dt.datetime]:
     recent = Attempt.objects.order_by("-id").values("run_id")[:RECENT_CLAIMS]
     rows = (
         Run.objects.filter(id__in=Subquery(recent))
-        .annotate(message_queue=KeyTextTransform("queue", "job_version__spec"))
+        .annotate(message_queue=run_lane_queue())
         .filter(message_queue__in=queues)
         .values("message_queue")
         .annotate(latest=Max("created_at"))
@@ -242,24 +249,47 @@ def _repair_orphaned_running(*, now: dt.datetime, config: ReconcileConfig) -> in
     return repaired
 
 
-def _alarm_stuck_outbox(*, now: dt.datetime, config: ReconcileConfig) -> int:
+def _alarm_stuck_outbox(
+    *, now: dt.datetime, config: ReconcileConfig, queue_depth: QueueDepth
+) -> tuple[int, int]:
     """Pending rows older than the alarm threshold: logged at ERROR (and so to Sentry), and
-    exported as scheduler_outbox_oldest_pending_seconds. The relay keeps retrying them."""
+    exported as scheduler_outbox_oldest_pending_seconds; the relay keeps retrying them.
+    When the relay never failed on them and the oldest waits by design (its queue at its
+    high-water mark, or its owner at its limit of active runs), only noted: (stuck, held)."""
     stuck = OutboxMessage.objects.filter(
         state=OutboxState.PENDING,
         created_at__lt=now - dt.timedelta(seconds=config.outbox_alarm_after_seconds),
     )
     count = stuck.count()
-    if count:
-        worst = stuck.order_by("created_at").values("publish_tries", "last_error").first()
-        log.error(
-            "%d outbox rows pending for over %.0fs (tries %s, last error %s)",
-            count,
-            config.outbox_alarm_after_seconds,
-            worst["publish_tries"],
-            worst["last_error"][:300],
-        )
-    return count
+    if not count:
+        return 0, 0
+    worst = (
+        stuck.order_by("created_at")
+        .values("queue", "owner_id", "publish_tries", "last_error")
+        .first()
+    )
+    if not stuck.filter(publish_tries__gt=0).exists() and _held_back(worst, config, queue_depth):
+        log.info("%d outbox rows waiting for over %.0fs: held back by backpressure or an "
+                 "owner's limit", count, config.outbox_alarm_after_seconds)  # fmt: skip
+        return 0, count
+    log.error(
+        "%d outbox rows pending for over %.0fs (tries %s, last error %s)",
+        count,
+        config.outbox_alarm_after_seconds,
+        worst["publish_tries"],
+        worst["last_error"][:300],
+    )
+    return count, 0
+
+
+def _held_back(row: dict, config: ReconcileConfig, queue_depth: QueueDepth) -> bool:
+    """Whether the relays hold this row back on purpose: its queue is at its high-water
+    mark, or its owner has its limit of runs in the broker or running."""
+    if config.queue_high_water is not None:
+        depth = queue_depth(row["queue"])
+        if depth is not None and depth >= config.queue_high_water:
+            return True
+    return owner_at_limit(row["owner_id"], default_limit=config.owner_max_active_runs)
 
 
 class BrokerQueueDepth:

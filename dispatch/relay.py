@@ -1,9 +1,12 @@
 """The outbox relay: publishes pending outbox rows and deletes them only once confirmed.
 
-`relay_run_once` claims a batch of pending rows with FOR UPDATE SKIP LOCKED (so relays
-split the work), publishes every message of the batch as a real Celery task message, waits
-for the broker's confirms of the whole batch (one round trip, not one per message), and in
-the same transaction deletes the rows: a confirmed row has nothing left to say, and the run
+`relay_run_once` works queue by queue (each queue's lanes are queues of their own,
+jobs.lanes): it claims a batch of a queue's pending rows with FOR UPDATE SKIP LOCKED (so
+relays split the work), no more than the queue's high-water mark leaves room for
+(backpressure), shared among the rows' owners in turn, an owner at its limit passed over
+(dispatch.shares), publishes every message of the batch as a real Celery task message,
+waits for the broker's confirms of the whole batch (one round trip, not one per message),
+and in the same transaction deletes the rows: a confirmed row has nothing left to say, and the run
 row is not touched (the worker's claim records `published_at`, which travels in the
 message). A crash anywhere before the commit leaves the rows pending: they are published
 again, and the worker's claim refuses the duplicate.
@@ -20,9 +23,11 @@ filesystem broker) publish through kombu's Producer.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import datetime as dt
 import logging
+import math
 import struct
 import time
 import uuid
@@ -30,7 +35,7 @@ import uuid
 from amqp.exceptions import ChannelError
 from amqp.serialization import dumps as amqp_dumps
 from celery import current_app
-from django.db import transaction
+from django.db import connection, transaction
 from kombu import Connection, Producer
 from kombu.serialization import dumps as kombu_dumps
 
@@ -39,13 +44,14 @@ from jobs.models import FailureReason, OutboxMessage, OutboxState
 from jobs.outbox import outbox_delete_published, outbox_record_failure
 from jobs.redaction import redact
 from jobs.registry import task_pack_size
-from jobs.transitions import run_give_up
+from jobs.transitions import active_runs_record, run_give_up, runs_stamp_published_late
 
 from .config import config_require
 from .failpoints import failpoint
 from .loop import BROKER_ERRORS
 from .packing import outbox_packs, pack_time_limit
 from .runtime import HARD_TIME_LIMIT_GRACE, PACK_RUN_GRACE_SECONDS
+from .shares import OwnerTurns, allowances, claim_shares
 
 log = logging.getLogger("dispatch.relay")
 # Placeholders of the exact length of what replaces them (a UUID's 36 characters; an
@@ -67,12 +73,23 @@ class RelayConfig:
     # reserved `amq.` name, no permission): its messages are tried in this many steps, then
     # their runs fail `undeliverable` with the broker's reason.
     max_refusals: int = 5
+    # Backpressure (SCHEDULER_QUEUE_HIGH_WATER): a queue's ready messages, as the broker
+    # counts them before each claim, plus what one claim adds, never pass this mark; the
+    # rows of a full queue wait in PostgreSQL. None: no limit.
+    high_water: int | None = 10_000
+    # The sleep while rows wait for room (a full queue, an owner at its limit): the relay
+    # looks again this often.
+    held_poll_interval: float = 0.25
+    # Fair shares (SCHEDULER_OWNER_MAX_ACTIVE_RUNS): at most this many runs of one owner
+    # in the broker or running at once, unless an operator set the owner's own
+    # (jobs.OwnerLimit); None: unlimited.
+    owner_max_active_runs: int | None = None
 
     def __post_init__(self) -> None:
         config_require(
             self,
-            at_least_one=("batch_size", "max_refusals"),
-            positive=("confirm_timeout", "poll_interval"),
+            at_least_one=("batch_size", "max_refusals", "high_water", "owner_max_active_runs"),
+            positive=("confirm_timeout", "poll_interval", "held_poll_interval"),
         )
 
 
@@ -81,6 +98,8 @@ class RelayResult:
     published: int
     batch_full: bool
     undeliverable: int = 0
+    # Queues whose rows waited this step for room in the broker or for an owner's limit.
+    held_back: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,9 +113,12 @@ class PendingMessage:
     queue: str
     priority: int
     timeout_seconds: int | None
+    created_at: dt.datetime | None = None
+    owner_id: object = None
 
 
-PENDING_FIELDS = [field.name for field in dataclasses.fields(PendingMessage)]
+# The columns claimed, the owner's id last (dispatch.shares adds it).
+PENDING_FIELDS = [field.name for field in dataclasses.fields(PendingMessage)][:-1]
 
 
 class BrokerUnconfirmed(ConnectionError):
@@ -166,6 +188,7 @@ class ConfirmingPublisher:
         self.floor = 1  # no tag below it is unconfirmed
         self.nacked = False
         self.declared: set[str] = set()  # queues declared on this channel
+        self.depth_channel = None  # where queue depths are asked (a refusal closes it)
         self.templates: dict[tuple, bytes] = {}  # encoded frames with placeholders, by key
 
     def _open(self) -> None:
@@ -175,7 +198,7 @@ class ConfirmingPublisher:
         self.channel = self.connection.channel()
         self.confirms = self.connection.transport.driver_type == "amqp"
         self.sent, self.unconfirmed, self.floor, self.nacked = 0, set(), 1, False
-        self.declared, self.templates = set(), {}
+        self.declared, self.templates, self.depth_channel = set(), {}, None
         if self.confirms:
             self.channel.confirm_select()
             self.channel.events["basic_ack"].add(self._on_ack)
@@ -204,6 +227,25 @@ class ConfirmingPublisher:
         """The Celery queue of that name, declared once per channel."""
         self._open()
         return self._declare(queue_name)
+
+    def queue_depth(self, queue_name: str) -> int | None:
+        """The queue's ready messages, asked with a passive declare (one round trip, on a
+        channel of its own); 0 for a queue not declared yet. None where the transport cannot
+        tell (the embedded filesystem broker) or the broker will not say (no permission):
+        then there is no backpressure, and a refused publish shows the reason."""
+        self._open()
+        if not self.confirms:
+            return None
+        if self.depth_channel is None:
+            self.depth_channel = self.connection.channel()
+        try:
+            return self.depth_channel.queue_declare(queue=queue_name, passive=True).message_count
+        except ChannelError as exc:
+            self.depth_channel = None  # the broker closed the channel with its refusal
+            if exc.code == 404:
+                return 0
+            log.warning("the broker did not tell the depth of queue %r: %s", queue_name, exc)
+            return None
 
     def _declare(self, queue_name: str):
         """The Celery queue of that name, declared once per channel (open)."""
@@ -336,80 +378,168 @@ class ConfirmingPublisher:
         except Exception:  # noqa: BLE001 - the connection is being thrown away
             log.debug("closing a broken broker connection failed", exc_info=True)
         self.connection = self.connection.clone()
-        self.channel = None
+        self.channel = self.depth_channel = None
 
     def close(self) -> None:
         self.connection.release()
 
 
 def relay_run_once(
-    *, now: dt.datetime, config: RelayConfig, publisher: ConfirmingPublisher
+    *,
+    now: dt.datetime,
+    config: RelayConfig,
+    publisher: ConfirmingPublisher,
+    turns: OwnerTurns | None = None,
 ) -> RelayResult:
+    """Publish pending rows queue by queue, each queue in its own transaction: up to a
+    batch, and no more than the room its high-water mark leaves (the broker's count of its
+    ready messages, asked once per queue per step). A full queue's rows wait; a queue the
+    broker refuses keeps its rows pending (a try counted each step, then `undeliverable`);
+    neither holds back another queue. Within a queue, owners share the room in turn and an
+    owner at its limit is passed over (dispatch.shares; `turns` rotates who goes first,
+    kept by the relay's process across steps). An outage stops the step (the loop backs
+    off)."""
+    turns = turns or OwnerTurns()
     published_at = published_at_text(now)
-    with transaction.atomic():
-        rows = (
-            OutboxMessage.objects.select_for_update(skip_locked=True)
-            .filter(state=OutboxState.PENDING)
-            .order_by("id")
-            .values_list(*PENDING_FIELDS)[: config.batch_size]
+    published = undeliverable = held_back = 0
+    batch_full = False
+    for queue in _pending_queues():
+        room = _room(queue, config=config, publisher=publisher)
+        if room <= 0:
+            held_back += 1
+            continue
+        limit = min(room, config.batch_size)
+        sent, refused, owners_held = _relay_queue(
+            queue, limit=limit, now=now, published_at=published_at, config=config,
+            publisher=publisher, turns=turns,
+        )  # fmt: skip
+        published += sent
+        undeliverable += refused
+        if sent >= limit:
+            batch_full |= limit == config.batch_size
+        held_back += owners_held or (sent >= limit and limit < config.batch_size)
+    return RelayResult(
+        published=published,
+        batch_full=batch_full,
+        undeliverable=undeliverable,
+        held_back=held_back,
+    )
+
+
+def relay_sleep(result: RelayResult, config: RelayConfig) -> float:
+    """After a step (whose batch was not full): a queue at its mark is looked at again
+    shortly (workers drain it meanwhile); after publishing anything, again at once (more
+    may have committed); an empty outbox waits for a NOTIFY or the poll interval."""
+    if result.held_back:
+        return config.held_poll_interval
+    return 0.0 if result.published else config.poll_interval
+
+
+MAX_QUEUES = 1000  # queues looked at per step
+
+
+def _room(queue: str, *, config: RelayConfig, publisher: ConfirmingPublisher) -> float:
+    """How many messages the queue takes before its high-water mark (infinite without a
+    mark, or where the broker cannot count them)."""
+    if config.high_water is None:
+        return math.inf
+    try:
+        depth = publisher.queue_depth(queue)
+    except BROKER_ERRORS:
+        # An outage: the publish that follows fails too, and records it on the rows.
+        publisher.reset()
+        return math.inf
+    return math.inf if depth is None else config.high_water - depth
+
+
+def _pending_queues() -> list[str]:
+    """The queues that have pending rows. On PostgreSQL the index is skipped through, one
+    probe per queue, whatever the number of rows waiting (a loose index scan)."""
+    if connection.vendor != "postgresql":
+        pending = OutboxMessage.objects.filter(state=OutboxState.PENDING)
+        return list(pending.order_by("queue").values_list("queue", flat=True).distinct())
+    table = OutboxMessage._meta.db_table
+    with connection.cursor() as cursor:
+        cursor.execute(
+            f"""
+            WITH RECURSIVE queues (queue) AS (
+                (SELECT queue FROM {table} WHERE state = %(pending)s ORDER BY queue LIMIT 1)
+                UNION ALL
+                SELECT (SELECT o.queue FROM {table} AS o
+                         WHERE o.state = %(pending)s AND o.queue > queues.queue
+                         ORDER BY o.queue LIMIT 1)
+                  FROM queues WHERE queues.queue IS NOT NULL
+            )
+            SELECT queue FROM queues WHERE queue IS NOT NULL LIMIT %(limit)s
+            """,
+            {"pending": OutboxState.PENDING, "limit": MAX_QUEUES},
         )
+        return [queue for (queue,) in cursor.fetchall()]
+
+
+# A row published this long after it was written waited (backpressure, an owner's limit):
+# its run's updated_at is stamped at publication, for reconciliation (runs_stamp_published_late).
+LATE_PUBLICATION_SECONDS = 30.0
+
+
+def _relay_queue(
+    queue: str,
+    *,
+    limit: int,
+    now: dt.datetime,
+    published_at: str,
+    config: RelayConfig,
+    publisher: ConfirmingPublisher,
+    turns: OwnerTurns,
+) -> tuple[int, int, bool]:
+    """Claim up to `limit` of the queue's pending rows, shared among their owners in turn
+    (each owner's by priority, then oldest first; an owner at its limit passed over),
+    publish them and wait for the confirms, then delete them: (published, undeliverable,
+    whether an owner's rows waited for its limit)."""
+    with transaction.atomic():
+        found = turns.owners(queue)
+        allowed, limited = allowances(found, default_limit=config.owner_max_active_runs)
+        owners = list(found)
+        rows = claim_shares(queue, room=limit, owners=owners, allowed=allowed,
+                            fields=PENDING_FIELDS)  # fmt: skip
         messages = [PendingMessage(*row) for row in rows]
+        # An owner that got all it was allowed (at its limit now) may have more waiting.
+        claimed = collections.Counter(message.owner_id for message in messages)
+        owners_held = any(
+            allowed[owner] is not None and claimed[owner] >= allowed[owner] for owner in owners
+        )
         if not messages:
-            return RelayResult(published=0, batch_full=False)
+            return 0, 0, owners_held
         ids = [message.id for message in messages]
         try:
             publisher.publish_batch_and_confirm(
                 messages, published_at=published_at, timeout=config.confirm_timeout
             )
         except ChannelError as exc:
-            # A refusal on the channel, not an outage: one queue's messages must not hold
-            # back the others (SPEC, "Security"), so each queue goes on its own.
+            # A refusal on the channel, not an outage: this queue's rows wait, a try
+            # counted, and the other queues go on (SPEC, "Security").
             publisher.reset()
-            log.warning("the broker refused a batch (%s); publishing queue by queue", exc)
-            return _relay_queue_by_queue(
-                messages, now=now, published_at=published_at, config=config, publisher=publisher
-            )
+            log.warning("the broker refused queue %r: %s", queue, exc)
+            outbox_record_failure(message_ids=ids, error=exc)
+            return 0, _runs_undeliverable(queue=queue, ids=ids, reason=exc, now=now,
+                                          config=config), owners_held  # fmt: skip
         except BROKER_ERRORS as exc:
             publisher.reset()
             failure = exc
         else:
             failpoint("relay.after_confirm")
             outbox_delete_published(message_ids=ids)
-            return RelayResult(published=len(ids), batch_full=len(ids) >= config.batch_size)
+            late = now - dt.timedelta(seconds=LATE_PUBLICATION_SECONDS)
+            runs_stamp_published_late(
+                run_ids=[m.run_id for m in messages if m.created_at and m.created_at < late],
+                now=now,
+            )
+            active_runs_record(
+                runs=[(m.run_id, m.owner_id) for m in messages if m.owner_id in limited], now=now
+            )
+            return len(ids), 0, owners_held
     outbox_record_failure(message_ids=ids, error=failure)
     raise failure
-
-
-def _relay_queue_by_queue(
-    messages: list[PendingMessage],
-    *,
-    now: dt.datetime,
-    published_at: str,
-    config: RelayConfig,
-    publisher: ConfirmingPublisher,
-) -> RelayResult:
-    """Publish a refused batch one queue at a time, in the caller's transaction: a queue the
-    broker refuses keeps its rows pending (a try counted) and, at `max_refusals` tries,
-    fails their runs `undeliverable` with the reason; an outage stops the step as usual."""
-    by_queue: dict[str, list[PendingMessage]] = {}
-    for message in messages:
-        by_queue.setdefault(message.queue, []).append(message)
-    published = undeliverable = 0
-    for queue, group in by_queue.items():
-        ids = [message.id for message in group]
-        try:
-            publisher.publish_batch_and_confirm(
-                group, published_at=published_at, timeout=config.confirm_timeout
-            )
-        except ChannelError as exc:
-            publisher.reset()
-            outbox_record_failure(message_ids=ids, error=exc)
-            undeliverable += _runs_undeliverable(queue=queue, ids=ids, reason=exc, now=now,
-                                                 config=config)  # fmt: skip
-            continue
-        outbox_delete_published(message_ids=ids)
-        published += len(ids)
-    return RelayResult(published=published, batch_full=False, undeliverable=undeliverable)
 
 
 def _runs_undeliverable(

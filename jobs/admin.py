@@ -9,9 +9,23 @@ from django.utils.html import format_html
 from .admin_actions import JOB_ACTIONS, RUN_ACTIONS, action_buttons
 from .admin_forms import JobEditing
 from .admin_pages import job_page, run_page
+from .audit import audit_record
 from .clock import db_now
-from .models import ApiToken, Attempt, AuditEvent, Counter, Effect, Job, OutboxMessage, Run
+from .models import (
+    ActiveRun,
+    ApiToken,
+    Attempt,
+    AuditEvent,
+    Counter,
+    Effect,
+    Job,
+    OutboxMessage,
+    OwnerLimit,
+    Run,
+    RunState,
+)
 from .redaction import redact, redact_value
+from .roles import user_is_operator
 from .services import job_is_editable
 from .tokens import tokens_revoke
 
@@ -168,8 +182,47 @@ class AuditEventAdmin(ReadOnlyAdmin):
 @admin.register(OutboxMessage)
 class OutboxMessageAdmin(ReadOnlyAdmin):
     # Only pending rows exist: the relay deletes a row once the broker confirmed it.
-    list_display = ("id", "run", "task_name", "queue", "created_at", "publish_tries")
+    list_display = ("id", "run", "owner", "task_name", "queue", "created_at", "publish_tries")
     list_filter = ("queue",)
+
+
+@admin.register(OwnerLimit)
+class OwnerLimitAdmin(admin.ModelAdmin):
+    """An owner's own limit of runs in the broker or running at once, instead of
+    SCHEDULER_OWNER_MAX_ACTIVE_RUNS (empty: unlimited); each change audited. Operators only
+    (the operators group, superusers), whatever their model permissions."""
+
+    list_display = ("owner", "max_active_runs", "active_runs", "waiting_runs", "updated_at")
+    search_fields = ("owner__username",)
+    raw_id_fields = ("owner",)
+
+    def has_module_permission(self, request):
+        return user_is_operator(request.user)
+
+    def has_view_permission(self, request, obj=None):
+        return user_is_operator(request.user)
+
+    has_add_permission = has_change_permission = has_delete_permission = has_view_permission
+
+    @admin.display(description="in the broker or running")
+    def active_runs(self, limit):
+        return ActiveRun.objects.filter(
+            owner_id=limit.owner_id, run__state__in=(RunState.QUEUED, RunState.RUNNING)
+        ).count()
+
+    @admin.display(description="waiting to be published")
+    def waiting_runs(self, limit):
+        return OutboxMessage.objects.filter(owner_id=limit.owner_id).count()
+
+    def save_model(self, request, obj, form, change):
+        super().save_model(request, obj, form, change)
+        limit = {"owner": obj.owner_id, "max_active_runs": obj.max_active_runs}
+        audit_record(action="owner.limit_set", actor=request.user, data=limit)
+
+    def delete_model(self, request, obj):
+        audit_record(action="owner.limit_removed", actor=request.user,
+                     data={"owner": obj.owner_id})  # fmt: skip
+        super().delete_model(request, obj)
 
 
 @admin.register(Effect)

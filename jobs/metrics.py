@@ -67,15 +67,27 @@ STAGES = {
 }
 
 
-def oldest_overdue_seconds(*, now: dt.datetime) -> float:
-    """How long the oldest due occurrence not yet materialized has been due, counted from
-    the job's acceptance (creation or resume) when that came later, as the discovery lag
-    is: a job dated 2020 is not six years overdue (through job_due_idx's due range)."""
+def oldest_overdue_seconds(*, now: dt.datetime, oldest_pending: dt.datetime | None = None) -> float:
+    """How long the oldest due work not yet handed to the broker has waited: a due
+    occurrence not yet materialized, counted from the job's acceptance (creation or
+    resume) when that came later, as the discovery lag is (a job dated 2020 is not six
+    years overdue; through job_due_idx's due range), or a run whose message waits in the
+    outbox (a queue at its high-water mark, an owner at its limit), counted from when it
+    became publishable. `oldest_pending`: that outbox row's created_at, when known."""
     due_since = Greatest("next_run_at", "created_at", Coalesce("resumed_at", "created_at"))
     oldest = Job.objects.filter(state=JobState.ACTIVE, next_run_at__lte=now).aggregate(
         at=Min(due_since)
     )["at"]
-    return max(0.0, (now - oldest).total_seconds()) if oldest else 0.0
+    if oldest_pending is None:
+        oldest_pending = _oldest_pending_outbox()
+    waiting = [at for at in (oldest, oldest_pending) if at is not None]
+    return max(0.0, (now - min(waiting)).total_seconds()) if waiting else 0.0
+
+
+def _oldest_pending_outbox() -> dt.datetime | None:
+    return OutboxMessage.objects.filter(state=OutboxState.PENDING).aggregate(at=Min("created_at"))[
+        "at"
+    ]
 
 
 def _histograms() -> dict[str, tuple[list[tuple[str, float]], float]]:
@@ -164,9 +176,7 @@ class DatabaseCollector:
         yield GaugeMetricFamily(
             "scheduler_outbox_backlog", "Outbox rows not yet published.", value=backlog
         )
-        oldest_pending = OutboxMessage.objects.filter(state=OutboxState.PENDING).aggregate(
-            at=Min("created_at")
-        )["at"]
+        oldest_pending = _oldest_pending_outbox()
         yield GaugeMetricFamily(
             "scheduler_outbox_oldest_pending_seconds",
             "Age of the oldest unpublished outbox row (alarm when it keeps growing).",
@@ -174,8 +184,9 @@ class DatabaseCollector:
         )
         yield GaugeMetricFamily(
             "scheduler_oldest_overdue_seconds",
-            "Age of the oldest due occurrence not yet materialized (from acceptance, if later).",
-            value=oldest_overdue_seconds(now=now),
+            "Age of the oldest due work not yet in the broker: an occurrence not materialized "
+            "(from acceptance, if later) or a run waiting in the outbox.",
+            value=oldest_overdue_seconds(now=now, oldest_pending=oldest_pending),
         )
         for name, (buckets, total) in _histograms().items():
             yield HistogramMetricFamily(name, STAGES[name], buckets=buckets, sum_value=total)

@@ -311,6 +311,11 @@ class OutboxMessage(models.Model):
     deleted by the relay in the transaction that saw the broker confirm it."""
 
     run = models.ForeignKey(Run, on_delete=models.CASCADE, related_name="outbox_messages")
+    # The run's job's owner: the relay shares a queue's publishing among owners and holds
+    # back an owner at its limit of active runs (docs/semantics.md, "fair shares").
+    owner = models.ForeignKey(
+        settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="+", db_index=False
+    )
     # The Celery task id: the same on every re-publication of this row.
     message_id = models.UUIDField(default=uuid.uuid4, unique=True)
     task_name = models.CharField(max_length=200)
@@ -329,12 +334,54 @@ class OutboxMessage(models.Model):
     class Meta:
         db_table = "dispatch_outboxmessage"  # moved from the dispatch app; the table stays
         indexes = [
-            # The relay claims by state, never by `id > last_seen` (rows commit out of order).
-            models.Index(fields=["id"], name="outbox_pending_idx", condition=Q(state="pending")),
+            # The relay claims by state, never by `id > last_seen` (rows commit out of order),
+            # each queue on its own (backpressure: a full queue's rows wait, the others go),
+            # owner by owner (fair shares, limits), by priority, then oldest first; it finds
+            # the queues, and a queue's owners, with pending rows by skipping through the
+            # index, one probe each.
+            models.Index(
+                fields=["queue", "owner", "-priority", "id"],
+                name="outbox_pending_idx",
+                condition=Q(state="pending"),
+            ),
         ]
 
     def __str__(self) -> str:
         return f"outbox {self.id} ({self.state})"
+
+
+class OwnerLimit(models.Model):
+    """An operator's limit for one owner: at most `max_active_runs` of the owner's runs in
+    the broker or running at once, instead of SCHEDULER_OWNER_MAX_ACTIVE_RUNS; empty: no
+    limit for this owner. Set in the admin, by operators only."""
+
+    owner = models.OneToOneField(
+        settings.AUTH_USER_MODEL, on_delete=models.CASCADE, primary_key=True,
+        related_name="run_limit",
+    )  # fmt: skip
+    max_active_runs = models.PositiveIntegerField(
+        null=True,
+        blank=True,
+        help_text="Runs of this owner in the broker or running at once; empty: unlimited.",
+    )
+    updated_at = models.DateTimeField(auto_now=True)
+
+    def __str__(self) -> str:
+        return f"limit of {self.owner_id}: {self.max_active_runs}"
+
+
+class ActiveRun(models.Model):
+    """A run of a limited owner that the relay published: it counts against the owner's
+    limit while the run is `queued` or `running`. The relay writes it with the publication
+    and deletes those of finished runs before it counts an owner's (no trigger, nothing on
+    the worker's path)."""
+
+    run = models.OneToOneField(Run, on_delete=models.CASCADE, primary_key=True, related_name="+")
+    owner = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="+")
+    published_at = models.DateTimeField()
+
+    def __str__(self) -> str:
+        return f"active run {self.run_id} of {self.owner_id}"
 
 
 class Effect(models.Model):

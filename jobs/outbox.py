@@ -8,25 +8,46 @@ import datetime as dt
 import json
 
 from django.db import connection
-from django.db.models import F
+from django.db.models import Case, F, TextField, Value, When
+from django.db.models.fields.json import KeyTextTransform
+from django.db.models.functions import Concat
 
-from .models import OutboxMessage, OutboxState, Run
+from .lanes import LANES, lane_queue
+from .models import Job, OutboxMessage, OutboxState, Run
 from .notify import CHANNEL_OUTBOX, notify
 from .redaction import redact
 
 
+def run_lane_queue():
+    """The Celery queue of a run (jobs.lanes.lane_queue) as an expression over Run rows:
+    its version's `queue`, with the lane of its kind."""
+    queue = KeyTextTransform("queue", "job_version__spec")
+    text = TextField()
+    return Case(
+        *(When(kind=kind, then=Concat(queue, Value(f".{lane}"), output_field=text))
+          for kind, lane in LANES.items()),
+        default=queue,
+        output_field=text,
+    )  # fmt: skip
+
+
 def outbox_enqueue_runs(*, runs: list[Run], now: dt.datetime) -> int:
-    """One task message per run (`run.job_version` must be loaded), in one INSERT; the
-    relays are woken when the transaction commits. Returns the rows written."""
+    """One task message per run (`run.job_version` must be loaded), in one INSERT, to the
+    lane of the run's kind (jobs.lanes); the relays are woken when the transaction commits.
+    Returns the rows written."""
     if not runs:
         return 0
     specs = [run.job_version.spec for run in runs]
     if connection.vendor != "postgresql":
+        owners = dict(
+            Job.objects.filter(id__in={run.job_id for run in runs}).values_list("id", "owner_id")
+        )
         OutboxMessage.objects.bulk_create(
             OutboxMessage(
                 run_id=run.id,
+                owner_id=owners[run.job_id],
                 task_name=spec["task"],
-                queue=spec["queue"],
+                queue=lane_queue(spec["queue"], run.kind),
                 priority=spec["priority"],
                 timeout_seconds=spec.get("timeout_seconds"),
                 created_at=now,
@@ -38,7 +59,8 @@ def outbox_enqueue_runs(*, runs: list[Run], now: dt.datetime) -> int:
     # per-field conversion or array quoting per row, which at thousands of runs a second
     # were most of the writer's time.
     rows = [
-        {"run_id": str(run.id), "task_name": spec["task"], "queue": spec["queue"],
+        {"run_id": str(run.id), "job_id": str(run.job_id), "task_name": spec["task"],
+         "queue": lane_queue(spec["queue"], run.kind),
          "priority": spec["priority"], "timeout_seconds": spec.get("timeout_seconds")}
         for run, spec in zip(runs, specs, strict=True)
     ]  # fmt: skip
@@ -46,13 +68,14 @@ def outbox_enqueue_runs(*, runs: list[Run], now: dt.datetime) -> int:
         cursor.execute(
             f"""
             INSERT INTO {OutboxMessage._meta.db_table}
-                   (run_id, message_id, task_name, queue, priority, timeout_seconds, state,
-                    created_at, publish_tries, last_error)
-            SELECT run_id, gen_random_uuid(), task_name, queue, priority, timeout_seconds, %s,
-                   %s, 0, ''
+                   (run_id, owner_id, message_id, task_name, queue, priority, timeout_seconds,
+                    state, created_at, publish_tries, last_error)
+            SELECT message.run_id, job.owner_id, gen_random_uuid(), message.task_name,
+                   message.queue, message.priority, message.timeout_seconds, %s, %s, 0, ''
               FROM jsonb_to_recordset(%s::jsonb)
-                   AS message(run_id uuid, task_name text, queue text, priority int,
-                              timeout_seconds int)
+                   AS message(run_id uuid, job_id uuid, task_name text, queue text,
+                              priority int, timeout_seconds int)
+              JOIN {Job._meta.db_table} AS job ON job.id = message.job_id
             """,
             [OutboxState.PENDING, now, json.dumps(rows)],
         )

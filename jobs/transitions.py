@@ -19,6 +19,7 @@ from django.db.models.functions import Coalesce, Now
 
 from .clock import db_now
 from .models import (
+    ActiveRun,
     Attempt,
     AttemptState,
     FailureReason,
@@ -230,6 +231,27 @@ def run_count_republish(*, run_id, now: dt.datetime) -> bool:
             republish_count=F("republish_count") + 1, updated_at=now
         )
     )
+
+
+def runs_stamp_published_late(*, run_ids: list, now: dt.datetime) -> int:
+    """Queued runs whose message waited in the outbox (backpressure, an owner's limit) and
+    was published only now: `updated_at` is stamped, so that reconciliation's wait and its
+    evidence count from the publication, not from the queueing long before."""
+    if not run_ids:
+        return 0
+    return Run.objects.filter(id__in=run_ids, state=RunState.QUEUED).update(updated_at=now)
+
+
+def active_runs_record(*, runs: list[tuple], now: dt.datetime) -> int:
+    """(run id, owner id) of runs of limited owners just published: they count against
+    their owner's limit while queued or running (dispatch.shares). A run published again
+    (reconciliation) is counted once."""
+    if not runs:
+        return 0
+    rows = [
+        ActiveRun(run_id=run_id, owner_id=owner_id, published_at=now) for run_id, owner_id in runs
+    ]
+    return len(ActiveRun.objects.bulk_create(rows, ignore_conflicts=True))
 
 
 def run_count_duplicate_delivery(*, run_id) -> bool:

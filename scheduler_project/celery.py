@@ -4,7 +4,7 @@ import logging
 import os
 
 from celery import Celery
-from celery.signals import worker_ready
+from celery.signals import celeryd_after_setup, worker_ready
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "scheduler_project.settings.base")
 
@@ -12,14 +12,32 @@ app = Celery("scheduler_project")
 app.config_from_object("django.conf:settings", namespace="CELERY")
 
 
-@worker_ready.connect
-def declare_allowed_queues(sender, **kwargs) -> None:
-    """Every queue of SCHEDULER_QUEUES, declared when a worker starts (it consumes those
-    of -Q); a queue the broker refuses is logged, the worker goes on."""
+@celeryd_after_setup.connect
+def consume_lanes(sender, instance, **kwargs) -> None:
+    """A worker that consumes a configured queue (`-Q jobs`, or every queue without -Q)
+    consumes its lanes too (`jobs.backfill`, `jobs.manual`: jobs/lanes.py), so no command
+    line has to name them; a worker given only a lane (`-Q jobs.backfill`) keeps to it."""
     from django.conf import settings
 
+    from jobs.lanes import lanes_of
+
+    queues = instance.app.amqp.queues
+    for name in list(queues.consume_from):
+        if name in settings.SCHEDULER_QUEUES:
+            for lane in lanes_of(name):
+                queues.select_add(queues[lane])
+
+
+@worker_ready.connect
+def declare_allowed_queues(sender, **kwargs) -> None:
+    """Every queue of SCHEDULER_QUEUES and their lanes, declared when a worker starts (it
+    consumes those of -Q); a queue the broker refuses is logged, the worker goes on."""
+    from django.conf import settings
+
+    from jobs.lanes import lane_queues
+
     with sender.app.connection_for_write() as connection:
-        for name in settings.SCHEDULER_QUEUES:
+        for name in lane_queues(settings.SCHEDULER_QUEUES):
             try:
                 sender.app.amqp.queues[name](connection.default_channel).declare()
             except Exception as exc:  # noqa: BLE001 - reported; the consumer reports its own

@@ -116,9 +116,12 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture
 def stack(transactional_db, tmp_path, request):
     """Real processes on the test database and a purged queue; stopped before the flush."""
+    from jobs.lanes import lane_queues
     from tests.processes import Stack, purge_queue
 
-    purge_queue()
+    # The queue and its lanes: a backfill left draining by a test is not the next one's.
+    for name in lane_queues(["jobs"]):
+        purge_queue(name)
     processes = Stack(tmp_path)
     try:
         yield processes

@@ -66,6 +66,28 @@ if SCHEDULER_QUEUE_TYPE not in {"classic", "quorum"}:
         f"SCHEDULER_QUEUE_TYPE must be classic or quorum, not {SCHEDULER_QUEUE_TYPE!r}"
     )
 
+
+def env_positive_int(name: str, default: int) -> int:
+    text = env_str(name, str(default))
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise ValueError(f"{name} must be a whole number of at least 1, not {text!r}")
+    return value
+
+
+# Backpressure: the relay keeps each queue's ready messages under this mark (docs/semantics.md).
+SCHEDULER_QUEUE_HIGH_WATER = env_positive_int("SCHEDULER_QUEUE_HIGH_WATER", 10_000)
+# Fair shares: at most this many runs of one owner in the broker or running at once
+# (empty: unlimited); an operator's per-owner limit (jobs.OwnerLimit) overrides it.
+SCHEDULER_OWNER_MAX_ACTIVE_RUNS = (
+    env_positive_int("SCHEDULER_OWNER_MAX_ACTIVE_RUNS", 1)
+    if env_str("SCHEDULER_OWNER_MAX_ACTIVE_RUNS", "")
+    else None
+)
+
 # Run logs: where their content goes (any Django storage backend: a dotted class path, and
 # its options as JSON), how long they are kept, and how much one attempt may write.
 SCHEDULER_LOG_STORAGE = env_str(

@@ -2,6 +2,8 @@
 
 from kombu import Exchange, Queue
 
+from jobs.lanes import lane_queues
+
 from . import env
 
 CELERY_BROKER_URL = env.CELERY_BROKER_URL
@@ -15,6 +17,7 @@ SCHEDULER_DEFAULT_QUEUE = SCHEDULER_QUEUES[0]
 CELERY_TASK_DEFAULT_QUEUE = SCHEDULER_DEFAULT_QUEUE
 # "quorum" on a RabbitMQ cluster; every queue, the default one and those jobs name, alike.
 SCHEDULER_QUEUE_TYPE = env.SCHEDULER_QUEUE_TYPE
+# Each configured queue with its lanes (jobs/lanes.py: `<queue>.backfill`, `<queue>.manual`).
 CELERY_TASK_QUEUES = [
     Queue(
         name,
@@ -24,8 +27,13 @@ CELERY_TASK_QUEUES = [
         # Classic queues are declared without the argument, as Celery itself declares them.
         queue_arguments={"x-queue-type": "quorum"} if SCHEDULER_QUEUE_TYPE == "quorum" else None,
     )
-    for name in SCHEDULER_QUEUES
+    for name in lane_queues(SCHEDULER_QUEUES)
 ]
+# The relay publishes to a queue only while its ready messages are under this mark.
+SCHEDULER_QUEUE_HIGH_WATER = env.SCHEDULER_QUEUE_HIGH_WATER
+# The relay publishes at most this many runs of one owner into the broker or running at
+# once (None: unlimited), unless an operator set the owner's own (jobs.OwnerLimit).
+SCHEDULER_OWNER_MAX_ACTIVE_RUNS = env.SCHEDULER_OWNER_MAX_ACTIVE_RUNS
 CELERY_TASK_CREATE_MISSING_QUEUES = True
 CELERY_TASK_CREATE_MISSING_QUEUE_TYPE = SCHEDULER_QUEUE_TYPE
 

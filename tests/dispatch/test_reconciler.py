@@ -6,6 +6,7 @@ the session's real RabbitMQ vhost."""
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import time
 import uuid
@@ -147,6 +148,45 @@ def test_a_run_whose_outbox_row_is_still_pending_is_left_alone(queued_run):
     assert result == ReconcileResult(outbox_stuck=1)
     assert snapshot(run.id) == before
     assert not AuditEvent.objects.filter(run=run).exists()
+
+
+def test_a_row_held_back_by_a_full_queue_or_an_owner_s_limit_is_not_alarmed(
+    queued_run, user, caplog
+):
+    """Backpressure and owners' limits keep rows waiting on purpose: past the alarm's age
+    they are only noted, unless the relay failed on them or nothing explains the wait."""
+    import logging
+
+    from jobs.models import ActiveRun, OwnerLimit
+
+    caplog.set_level(logging.INFO, logger="dispatch.reconciler")
+    queued_run(created=NOW - dt.timedelta(hours=1))
+    full = dataclasses.replace(CONFIG, queue_high_water=10)
+
+    def errors() -> list[str]:
+        return [r.message for r in caplog.records if r.levelno >= logging.ERROR]
+
+    assert reconcile_run_once(now=NOW, config=full, queue_depth=lambda queue: 10) == (
+        ReconcileResult(outbox_held_back=1)
+    )
+    assert reconcile_run_once(now=NOW, config=full, queue_depth=lambda queue: 9) == (
+        ReconcileResult(outbox_stuck=1)
+    )
+    assert len(errors()) == 1
+    # Its owner has its limit of runs in the broker or running.
+    other = queued_run(created=NOW - dt.timedelta(hours=2))
+    OutboxMessage.objects.filter(run=other).delete()
+    ActiveRun.objects.create(run=other, owner=user, published_at=NOW)
+    OwnerLimit.objects.create(owner=user, max_active_runs=1)
+    assert reconcile_run_once(now=NOW, config=CONFIG, queue_depth=lambda queue: 9) == (
+        ReconcileResult(outbox_held_back=1)
+    )
+    # A row the relay failed on is stuck, whatever else holds it.
+    OutboxMessage.objects.update(publish_tries=1, last_error="refused")
+    assert reconcile_run_once(now=NOW, config=full, queue_depth=lambda queue: 10) == (
+        ReconcileResult(outbox_stuck=1)
+    )
+    assert len(errors()) == 2
 
 
 def test_after_max_republish_tries_the_run_fails_as_undeliverable(queued_run, user):
@@ -348,3 +388,35 @@ def test_a_backlogged_queue_does_not_starve_lost_messages_on_other_queues(queued
     assert all(Run.objects.get(id=run.id).republish_count == 0 for run in backlog)
     assert Run.objects.get(id=lost.id).republish_count == 1
     assert OutboxMessage.objects.filter(run=lost, state=OutboxState.PENDING).count() == 1
+
+
+def test_a_lost_backfill_or_manual_run_is_judged_by_its_lane_and_sent_there_again(queued_run, user):
+    """Backfill and manual runs travel in their job's queue's lanes (jobs.lanes): their
+    queue's depth is asked of the lane, and the republished row goes to the lane."""
+    from jobs.services import job_backfill, job_trigger
+
+    job = queued_run().job
+    created = NOW - dt.timedelta(hours=1)
+    [backfilled] = job_backfill(job=job, instants=[created - dt.timedelta(days=1)],
+                                actor=user, now=created).created  # fmt: skip
+    triggered = job_trigger(job=job, actor=user, now=created)
+    assert dict(OutboxMessage.objects.values_list("run_id", "queue")) == {
+        Run.objects.get(job=job, kind="scheduled").id: "jobs",
+        backfilled.id: "jobs.backfill",
+        triggered.id: "jobs.manual",
+    }
+    for run in Run.objects.filter(job=job):
+        publish(run, at=later(-THRESHOLD - 1))
+    asked = []
+
+    def depth(queue: str) -> int:
+        asked.append(queue)
+        return 0
+
+    assert reconcile_run_once(now=NOW, config=CONFIG, queue_depth=depth).republished == 3
+    assert sorted(asked) == ["jobs", "jobs.backfill", "jobs.manual"]
+    assert dict(OutboxMessage.objects.values_list("run_id", "queue")) == {
+        Run.objects.get(job=job, kind="scheduled").id: "jobs",
+        backfilled.id: "jobs.backfill",
+        triggered.id: "jobs.manual",
+    }

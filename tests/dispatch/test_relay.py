@@ -280,3 +280,86 @@ def test_the_relay_declares_the_allowed_queues_and_reports_a_refused_one(refused
         assert queues_declare(publisher, settings.SCHEDULER_QUEUES) == [refused_queue]
     finally:
         publisher.close()
+
+
+def _queue_depth(name: str) -> int:
+    with Connection(settings.CELERY_BROKER_URL) as broker:
+        return broker.channel().queue_declare(queue=name, passive=True).message_count
+
+
+def test_a_queue_at_its_high_water_mark_holds_its_rows_and_not_the_others(make_job, settings):
+    """No worker consumes: `jobs` fills to the mark (5) and stops, its rows wait pending;
+    another queue's rows go all the while; room made in `jobs` is filled again."""
+    other = f"other-{uuid.uuid4().hex[:8]}"
+    settings.SCHEDULER_QUEUES = [*settings.SCHEDULER_QUEUES, other]
+    purge_queue()
+    due = {"now": NOW - dt.timedelta(minutes=1),
+           "schedule": {"kind": "once", "run_at": NOW.isoformat()}}  # fmt: skip
+    for _ in range(12):
+        make_job(**due)
+    for _ in range(4):
+        make_job(queue=other, **due)
+    scheduler_run_once(now=NOW, config=SchedulerConfig())
+    publisher = ConfirmingPublisher(
+        settings.CELERY_BROKER_URL, settings.CELERY_BROKER_TRANSPORT_OPTIONS
+    )
+    config = RelayConfig(batch_size=3, high_water=5)
+    steps = []
+    try:
+        for _ in range(4):
+            result = relay_run_once(now=NOW, config=config, publisher=publisher)
+            steps.append((result.published, result.held_back, _queue_depth("jobs")))
+        # Two consumed: the next step fills the room again, and no more.
+        with Connection(settings.CELERY_BROKER_URL) as broker:
+            channel = broker.channel()
+            assert all(channel.basic_get("jobs", no_ack=True) for _ in range(2))
+        result = relay_run_once(now=NOW, config=config, publisher=publisher)
+        steps.append((result.published, result.held_back, _queue_depth("jobs")))
+        assert _queue_depth(other) == 4
+    finally:
+        publisher.close()
+        purge_queue()
+        with Connection(settings.CELERY_BROKER_URL) as broker:
+            broker.channel().queue_delete(other)
+    # (published in both queues, queues held back, ready in `jobs`)
+    assert steps == [(6, 0, 3), (3, 1, 5), (0, 1, 5), (0, 1, 5), (2, 1, 5)]
+    assert OutboxMessage.objects.filter(queue="jobs").count() == 12 - 7
+    assert not OutboxMessage.objects.filter(queue=other).exists()
+
+
+def test_a_queue_s_rows_go_by_priority_then_oldest_first(make_job):
+    """`priority` (0-9) orders what waits in the outbox for a queue: the relay's claim takes
+    the highest first, then the oldest; the broker's queue itself stays first in, first out."""
+    purge_queue()
+    due = {"now": NOW - dt.timedelta(minutes=1),
+           "schedule": {"kind": "once", "run_at": NOW.isoformat()}}  # fmt: skip
+    for priority in (0, 0, 5, 9, 5, 0):
+        make_job(priority=priority, **due)
+    scheduler_run_once(now=NOW, config=SchedulerConfig())
+    rows = OutboxMessage.objects.values_list("priority", "id", "run_id")
+    expected = [str(run_id) for _, _, run_id in sorted(rows, key=lambda r: (-r[0], r[1]))]
+    publisher = ConfirmingPublisher(
+        settings.CELERY_BROKER_URL, settings.CELERY_BROKER_TRANSPORT_OPTIONS
+    )
+    try:
+        for _ in range(3):
+            relay_run_once(now=NOW, config=RelayConfig(batch_size=2), publisher=publisher)
+    finally:
+        publisher.close()
+    assert [m["body"][1]["run_id"] for m in _drain_queue()] == expected
+    assert [priority for priority, _, _ in sorted(rows, key=lambda r: (-r[0], r[1]))] == [
+        9, 5, 5, 0, 0, 0
+    ]  # fmt: skip
+
+
+def test_a_transport_that_cannot_count_a_queue_has_no_backpressure(tmp_path):
+    """The embedded filesystem broker tells no depth: the relay publishes without a mark."""
+    folder = tmp_path / "broker"
+    folder.mkdir()
+    publisher = ConfirmingPublisher(
+        "filesystem://", {"data_folder_in": str(folder), "data_folder_out": str(folder)}
+    )
+    try:
+        assert publisher.queue_depth("jobs") is None
+    finally:
+        publisher.close()

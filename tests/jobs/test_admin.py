@@ -30,3 +30,31 @@ def test_admin_browses_jobs_runs_and_attempts(client, make_job):
         assert client.get(url).status_code == 200, url
     # The outbox's page before it moved from the dispatch app to jobs.
     assert client.get("/admin/dispatch/outboxmessage/", follow=True).status_code == 200
+
+
+def test_operators_set_an_owner_s_limit_and_see_its_active_runs(client, user, operator):
+    """OwnerLimit in the admin: an operator sets an owner's limit (audited) and sees its
+    runs in the broker or running; staff outside the operators group do not see it."""
+    from django.contrib.auth.models import Permission
+
+    from jobs.models import ActiveRun, AuditEvent, OwnerLimit
+    from tests.factories import queued_run
+
+    operator.is_staff = True
+    operator.save()
+    client.force_login(operator)
+    page = client.post("/admin/jobs/ownerlimit/add/", {"owner": user.id, "max_active_runs": 3})
+    assert page.status_code == 302, page.content.decode()[:2000]
+    assert OwnerLimit.objects.get(owner=user).max_active_runs == 3
+    event = AuditEvent.objects.get(action="owner.limit_set")
+    assert (event.actor, event.data) == (operator, {"owner": user.id, "max_active_runs": 3})
+    run = queued_run(user)
+    ActiveRun.objects.create(run=run, owner=user, published_at=NOW)
+    listing = client.get("/admin/jobs/ownerlimit/").content.decode()
+    assert 'class="field-active_runs">1<' in listing
+    assert 'class="field-waiting_runs">1<' in listing
+
+    staff = get_user_model().objects.create_user("staff", is_staff=True)
+    staff.user_permissions.set(Permission.objects.filter(codename__endswith="ownerlimit"))
+    client.force_login(staff)
+    assert client.get("/admin/jobs/ownerlimit/").status_code == 403

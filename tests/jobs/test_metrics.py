@@ -195,6 +195,18 @@ def test_a_job_dated_in_the_past_is_overdue_from_its_acceptance(operator_api, us
     assert 30 <= samples[("scheduler_oldest_overdue_seconds", ())] < 60
 
 
+def test_a_run_waiting_in_the_outbox_is_overdue_from_when_it_became_publishable(operator_api, user):
+    """Materialized 90 s ago, its message held back since (a full queue, an owner at its
+    limit): the oldest-overdue gauge shows that wait, as the outbox's own gauge does."""
+    publishable = dt.datetime.now(dt.UTC) - dt.timedelta(seconds=90)
+    make_job(user, now=publishable - dt.timedelta(minutes=1),
+             schedule={"kind": "once", "run_at": publishable.isoformat()})  # fmt: skip
+    scheduler_pass(publishable)
+    samples = scrape(operator_api.get("/metrics").content.decode())
+    assert 90 <= samples[("scheduler_oldest_overdue_seconds", ())] < 120
+    assert 90 <= samples[("scheduler_outbox_oldest_pending_seconds", ())] < 120
+
+
 def test_a_delivery_is_measured_without_a_statement_of_its_own(operator_api, queued_run):
     """The worker's hot path sends what it sent before the histograms (the claim, the
     success with its log manifest); the database's triggers count the run as it commits."""

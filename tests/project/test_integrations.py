@@ -170,6 +170,29 @@ def test_a_partition_setting_out_of_range_is_refused_by_name(tmp_path, name, val
     assert f"{name} {reason}" in done.stderr
 
 
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [("SCHEDULER_QUEUE_HIGH_WATER", "0"), ("SCHEDULER_QUEUE_HIGH_WATER", "lots"),
+     ("SCHEDULER_OWNER_MAX_ACTIVE_RUNS", "-2")],
+)  # fmt: skip
+def test_a_bad_high_water_mark_or_owner_limit_is_refused(tmp_path, name, value):
+    done = run_python("import django; django.setup()", tmp_path, **{name: value})
+    assert done.returncode != 0
+    assert f"{name} must be a whole number of at least 1, not {value!r}" in done.stderr
+
+
+def test_the_high_water_mark_and_owner_limit_are_read_from_the_environment(tmp_path):
+    probe = """
+import django; django.setup()
+from django.conf import settings
+print(settings.SCHEDULER_QUEUE_HIGH_WATER, settings.SCHEDULER_OWNER_MAX_ACTIVE_RUNS)
+"""
+    assert run_python(probe, tmp_path).stdout.split() == ["10000", "None"]
+    done = run_python(probe, tmp_path, SCHEDULER_QUEUE_HIGH_WATER="500",
+                      SCHEDULER_OWNER_MAX_ACTIVE_RUNS="4")  # fmt: skip
+    assert done.stdout.split() == ["500", "4"]
+
+
 def test_secrets_never_reach_sentry_or_the_processes_own_log(sentry, tmp_path):
     probe = """
 import django, logging, sentry_sdk

@@ -2,8 +2,16 @@ from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError
 
 from dispatch.loop import StopSignal, run_loop, run_once_step
-from dispatch.relay import ConfirmingPublisher, RelayConfig, queues_declare, relay_run_once
+from dispatch.relay import (
+    ConfirmingPublisher,
+    RelayConfig,
+    queues_declare,
+    relay_run_once,
+    relay_sleep,
+)
+from dispatch.shares import OwnerTurns
 from dispatch.wakeup import Listener
+from jobs.lanes import lane_queues
 from jobs.notify import CHANNEL_OUTBOX
 
 
@@ -25,20 +33,25 @@ class Command(BaseCommand):
 
     def handle(self, *args, batch_size, poll_interval, max_steps, **options):
         try:
-            config = RelayConfig(batch_size=batch_size, poll_interval=poll_interval)
+            config = RelayConfig(
+                batch_size=batch_size,
+                poll_interval=poll_interval,
+                high_water=settings.SCHEDULER_QUEUE_HIGH_WATER,
+                owner_max_active_runs=settings.SCHEDULER_OWNER_MAX_ACTIVE_RUNS,
+            )
         except ValueError as exc:
             raise CommandError(str(exc)) from exc
         publisher = ConfirmingPublisher(
             settings.CELERY_BROKER_URL, settings.CELERY_BROKER_TRANSPORT_OPTIONS
         )
-        # After a batch that published anything, look again at once.
         step = run_once_step(
             relay_run_once,
             config,
-            sleep=lambda result: 0.0 if result.published else config.poll_interval,
+            sleep=lambda result: relay_sleep(result, config),
             publisher=publisher,
+            turns=OwnerTurns(),
         )
-        queues_declare(publisher, settings.SCHEDULER_QUEUES)
+        queues_declare(publisher, lane_queues(settings.SCHEDULER_QUEUES))
         stop = StopSignal().install()
         listener = Listener((CHANNEL_OUTBOX,), stop)
         self.stdout.write("relay started")

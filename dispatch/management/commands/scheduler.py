@@ -132,6 +132,8 @@ class Command(BaseCommand):
             reconcile = ReconcileConfig(
                 poll_interval=options["reconcile_interval"],
                 queued_after_seconds=options["queued_after"],
+                queue_high_water=settings.SCHEDULER_QUEUE_HIGH_WATER,
+                owner_max_active_runs=settings.SCHEDULER_OWNER_MAX_ACTIVE_RUNS,
             )
             depth = BrokerQueueDepth(
                 settings.CELERY_BROKER_URL, settings.CELERY_BROKER_TRANSPORT_OPTIONS

@@ -1,0 +1,116 @@
+"""Lanes (jobs/lanes.py): backfill runs and manual triggers travel in their own queues,
+which workers of the configured queue consume too, so near-term scheduled runs are never
+queued behind bulk work."""
+
+import datetime as dt
+import math
+
+import pytest
+from celery import current_app
+
+from jobs.lanes import LANES, lane_queue, lane_queues
+from jobs.models import OutboxMessage, Run, RunKind, RunState
+from jobs.schedules import backfill_occurrences
+from jobs.services import job_backfill, job_create_bulk, job_trigger
+from tests.factories import job_spec, make_job, owner
+from tests.processes import wait_for
+
+
+def test_each_kind_has_its_lane_and_scheduled_runs_keep_the_queue():
+    assert set(LANES) == set(RunKind.values) - {RunKind.SCHEDULED}
+    assert lane_queue("jobs", RunKind.SCHEDULED) == "jobs"
+    assert lane_queue("jobs", RunKind.BACKFILL) == "jobs.backfill"
+    assert lane_queue("jobs", RunKind.MANUAL) == "jobs.manual"
+    assert lane_queues(["jobs", "reports"]) == [
+        "jobs", "jobs.backfill", "jobs.manual", "reports", "reports.backfill", "reports.manual"
+    ]  # fmt: skip
+    # Declared as the configured queues are (quorum where configured), same exchange scheme.
+    declared = current_app.amqp.queues
+    for name in lane_queues(["jobs"]):
+        assert declared[name].queue_arguments == declared["jobs"].queue_arguments
+        assert (declared[name].exchange.name, declared[name].routing_key) == (name, name)
+
+
+@pytest.mark.django_db
+def test_backfill_and_trigger_write_their_rows_to_their_lanes(user):
+    now = dt.datetime.now(dt.UTC)
+    job = make_job(user, now=now, schedule={"kind": "cron", "expression": "0 * * * *"})
+    instants = backfill_occurrences(job=job, start=now - dt.timedelta(hours=3), end=now)
+    result = job_backfill(job=job, instants=instants, actor=user, now=now)
+    run = job_trigger(job=job, actor=user, now=now)
+    rows = dict(OutboxMessage.objects.values_list("run_id", "queue"))
+    assert rows == {
+        **{backfilled.id: "jobs.backfill" for backfilled in result.created},
+        run.id: "jobs.manual",
+    }
+    assert len(result.created) == 3
+
+
+@pytest.mark.slow
+def test_a_worker_of_the_queue_consumes_its_lanes(stack, user):
+    """`celery worker -Q jobs` (dispatch.commands.worker_argv) names no lane: the worker
+    adds them (scheduler_project/celery.py), and runs a trigger and a backfill."""
+    stack.scheduler()
+    stack.relay()
+    stack.worker(concurrency=1)
+    banner = stack.log("worker").decode(errors="replace")
+    assert all(f"{name} " in banner for name in ("jobs", "jobs.backfill", "jobs.manual")), banner
+    now = dt.datetime.now(dt.UTC)
+    job = make_job(user, now=now, schedule={"kind": "cron", "expression": "0 0 1 1 *"})
+    [backfilled] = job_backfill(job=job, instants=[now - dt.timedelta(days=1)], actor=user,
+                                now=now).created  # fmt: skip
+    triggered = job_trigger(job=job, actor=user, now=now)
+    wait_for(
+        lambda: Run.objects.filter(id__in=[backfilled.id, triggered.id],
+                                   state=RunState.SUCCEEDED).count() == 2,
+        timeout=60,
+        message="the backfill and the manual run to succeed",
+    )  # fmt: skip
+
+
+BACKFILL = 5000
+NEAR_TERM = 100
+
+
+@pytest.mark.slow
+def test_near_term_runs_start_on_time_while_a_large_backfill_drains(stack, report_figure):
+    """5,000 backfill runs of a cron job (`* * * * *` over ~3.5 days), then 100 one-time
+    runs due 5 s later: they start within seconds of their due time while the backfill,
+    queued first, is still draining beside them."""
+    stack.scheduler()
+    stack.relay()
+    stack.worker("worker-1", concurrency=2)
+    stack.worker("worker-2", concurrency=2)
+    user = owner("lanes")
+    now = dt.datetime.now(dt.UTC)
+    cron = make_job(user, now=now, schedule={"kind": "cron", "expression": "* * * * *"})
+    start = (now - dt.timedelta(days=4)).replace(second=0, microsecond=0)
+    for chunk in range(BACKFILL // 1000):
+        begin = start + dt.timedelta(minutes=1000 * chunk)
+        instants = backfill_occurrences(
+            job=cron, start=begin, end=begin + dt.timedelta(minutes=1000)
+        )
+        assert len(instants) == 1000
+        job_backfill(job=cron, instants=instants, actor=user, now=dt.datetime.now(dt.UTC))
+    backfill = Run.objects.filter(job=cron, kind=RunKind.BACKFILL)
+    wait_for(lambda: backfill.filter(state=RunState.SUCCEEDED).exists(), timeout=60,
+             message="the backfill to start draining")  # fmt: skip
+
+    due = dt.datetime.now(dt.UTC) + dt.timedelta(seconds=5)
+    spec = job_spec(task="tests.record", schedule={"kind": "once", "run_at": due.isoformat()})
+    jobs = job_create_bulk(owner=user, specs=[spec] * NEAR_TERM, now=dt.datetime.now(dt.UTC))
+    near = Run.objects.filter(job__in=jobs)
+    wait_for(lambda: near.filter(state=RunState.SUCCEEDED).count() == NEAR_TERM, timeout=120,
+             message="the near-term runs to succeed")  # fmt: skip
+    unfinished = backfill.exclude(state=RunState.SUCCEEDED).count()
+    lateness = sorted(
+        (run.started_at - run.due_at).total_seconds() for run in near.only("started_at", "due_at")
+    )
+    p99 = lateness[math.ceil(0.99 * len(lateness)) - 1]
+    report_figure(
+        f"{NEAR_TERM} near-term runs beside a backfill of {BACKFILL}: start lateness p50 "
+        f"{lateness[len(lateness) // 2]:.2f} s, p99 {p99:.2f} s, max {lateness[-1]:.2f} s; "
+        f"{unfinished} backfill runs still unfinished then"
+    )
+    assert p99 < 5.0
+    assert unfinished > 0, "the backfill had drained: the test proved nothing"

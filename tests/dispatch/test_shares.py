@@ -1,0 +1,134 @@
+"""Fair shares at the relay's claim (dispatch.shares), in process against the real
+database and the session's RabbitMQ vhost: owners share a step in turn, and an owner at
+its limit of active runs is passed over without holding back anyone else."""
+
+import datetime as dt
+
+import psycopg
+import pytest
+from django.conf import settings
+from django.db import connection
+
+from dispatch.relay import ConfirmingPublisher, RelayConfig, relay_run_once
+from dispatch.scheduler import SchedulerConfig, scheduler_run_once
+from dispatch.shares import LIMIT_LOCK_SPACE, OwnerTurns, shares
+from jobs.models import ActiveRun, OutboxMessage, OwnerLimit, Run, RunState
+from tests.dispatch.test_relay import _drain_queue
+from tests.processes import purge_queue
+
+NOW = dt.datetime(2030, 1, 1, tzinfo=dt.UTC)
+DUE = {"now": NOW - dt.timedelta(minutes=1),
+       "schedule": {"kind": "once", "run_at": NOW.isoformat()}}  # fmt: skip
+
+
+@pytest.fixture
+def relay():
+    purge_queue()
+    publisher = ConfirmingPublisher(
+        settings.CELERY_BROKER_URL, settings.CELERY_BROKER_TRANSPORT_OPTIONS
+    )
+    turns = OwnerTurns()
+
+    def step(**config):
+        return relay_run_once(
+            now=NOW, config=RelayConfig(**config), publisher=publisher, turns=turns
+        )
+
+    yield step
+    publisher.close()
+    purge_queue()
+
+
+def _owners_of_published() -> list[int]:
+    owner_of = dict(Run.objects.values_list("id", "job__owner_id"))
+    return [owner_of[_run_id(message)] for message in _drain_queue()]
+
+
+def _run_id(message):
+    import uuid
+
+    return uuid.UUID(message["body"][1]["run_id"])
+
+
+def test_shares_are_equal_the_remainder_goes_in_turn_and_limits_cap_them():
+    assert shares(7, ["a", "b", "c"], {"a": None, "b": None, "c": None}) == {
+        "a": 3, "b": 2, "c": 2
+    }  # fmt: skip
+    assert shares(2, ["a", "b", "c"], {"a": None, "b": None, "c": None}) == {"a": 1, "b": 1}
+    assert shares(9, ["a", "b", "c"], {"a": 1, "b": 0, "c": None}) == {"a": 1, "c": 4}
+    assert shares(0, ["a"], {"a": None}) == {}
+
+
+def test_owners_share_a_step_in_turn_and_a_share_unused_goes_to_the_others(
+    make_job, user, other_user, relay
+):
+    """Ten runs of one owner and two of another, a step of six: the other's two go out
+    with four of the first, one of each in turn (not the first owner's flood first)."""
+    for _ in range(10):
+        make_job(owner=user, **DUE)
+    for _ in range(2):
+        make_job(owner=other_user, **DUE)
+    scheduler_run_once(now=NOW, config=SchedulerConfig())
+    assert relay(batch_size=6).published == 6
+    published = _owners_of_published()
+    assert sorted(published) == sorted([user.id] * 4 + [other_user.id] * 2)
+    assert other_user.id in published[:2] and other_user.id in published[2:4]
+    assert OutboxMessage.objects.filter(owner=user).count() == 6
+
+
+def test_an_owner_at_its_limit_waits_and_others_go_on(make_job, user, other_user, relay):
+    OwnerLimit.objects.create(owner=user, max_active_runs=2)
+    for _ in range(5):
+        make_job(owner=user, **DUE)
+        make_job(owner=other_user, **DUE)
+    scheduler_run_once(now=NOW, config=SchedulerConfig())
+
+    result = relay()
+    assert (result.published, result.held_back) == (7, 1)
+    assert ActiveRun.objects.filter(owner=user).count() == 2
+    assert not ActiveRun.objects.filter(owner=other_user).exists()  # no limit: not counted
+    # Its two are queued in the broker: nothing more of it, whatever the room.
+    assert relay().published == 0
+    # One runs, one finishes: one more may go.
+    running, finished = ActiveRun.objects.filter(owner=user).values_list("run_id", flat=True)
+    Run.objects.filter(id=running).update(state=RunState.RUNNING)
+    Run.objects.filter(id=finished).update(state=RunState.SUCCEEDED)
+    assert relay().published == 1
+    assert set(ActiveRun.objects.values_list("run_id", flat=True)) == {
+        running, *Run.objects.filter(job__owner=user, state=RunState.QUEUED)
+        .exclude(outbox_messages__isnull=False).values_list("id", flat=True)
+    }  # fmt: skip
+    assert OutboxMessage.objects.filter(owner=user).count() == 2
+
+
+def test_the_default_limit_holds_every_owner_but_one_an_operator_lifted(
+    make_job, user, other_user, relay
+):
+    OwnerLimit.objects.create(owner=other_user, max_active_runs=None)
+    for _ in range(3):
+        make_job(owner=user, **DUE)
+        make_job(owner=other_user, **DUE)
+    scheduler_run_once(now=NOW, config=SchedulerConfig())
+    assert relay(owner_max_active_runs=1).published == 4
+    assert OutboxMessage.objects.filter(owner=user).count() == 2
+    assert not OutboxMessage.objects.filter(owner=other_user).exists()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_an_owner_another_relay_is_claiming_for_is_passed_over(make_job, user, other_user, relay):
+    """Two relays must not both fill one owner's allowance: the owner's advisory lock, held
+    here by another session, makes this relay pass the owner over this step."""
+    OwnerLimit.objects.create(owner=user, max_active_runs=5)
+    make_job(owner=user, **DUE)
+    make_job(owner=other_user, **DUE)
+    scheduler_run_once(now=NOW, config=SchedulerConfig())
+    db = connection.settings_dict
+    with psycopg.connect(host=db["HOST"] or "127.0.0.1", port=db["PORT"] or 5432,
+                         user=db["USER"], dbname=db["NAME"], autocommit=True) as other:  # fmt: skip
+        other.execute(
+            "SELECT pg_advisory_lock(%s, hashtext(%s::text))", [LIMIT_LOCK_SPACE, user.id]
+        )
+        result = relay()
+        assert (result.published, result.held_back) == (1, 1)
+        assert list(OutboxMessage.objects.values_list("owner_id", flat=True)) == [user.id]
+    assert relay().published == 1
