@@ -172,6 +172,13 @@ class Run(models.Model):
             models.Index(fields=["updated_at"], name="run_queued_idx", condition=Q(state="queued")),
             # The scheduler releases pending runs (jitter, buffer_one) once due.
             models.Index(fields=["due_at"], name="run_pending_idx", condition=Q(state="pending")),
+            # The pruner takes the oldest finished runs (jobs.retention), never reading the
+            # active ones.
+            models.Index(
+                fields=["finished_at"],
+                name="run_finished_idx",
+                condition=Q(state__in=["cancelled", "failed", "skipped", "succeeded"]),
+            ),
         ]
         constraints = [
             # One scheduled run per occurrence, however many scheduler replicas run.

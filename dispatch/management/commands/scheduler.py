@@ -40,10 +40,16 @@ class Command(BaseCommand):
         parser.add_argument(
             "--without-pruner",
             action="store_true",
-            help="run no pruning loop (idempotency keys, run logs) in this process",
+            help="run no pruning loop (finished runs, idempotency keys, run logs) in this process",
         )
         parser.add_argument(
             "--reconcile-interval", type=float, default=ReconcileConfig.poll_interval
+        )
+        parser.add_argument(
+            "--prune-interval",
+            type=float,
+            default=PrunerConfig.poll_interval,
+            help="seconds between pruning steps (retention is in days: no hurry)",
         )
         parser.add_argument(
             "--queued-after",
@@ -109,7 +115,13 @@ class Command(BaseCommand):
             loops.append(
                 self.loop(
                     "pruner",
-                    run_once_step(pruner_run_once, PrunerConfig(batch_size=options["batch_size"])),
+                    run_once_step(
+                        pruner_run_once,
+                        PrunerConfig(
+                            batch_size=options["batch_size"],
+                            poll_interval=options["prune_interval"],
+                        ),
+                    ),
                     stop,
                 )
             )
