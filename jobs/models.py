@@ -9,6 +9,7 @@ import uuid
 from django.conf import settings
 from django.db import models
 from django.db.models import Q
+from django.db.models.functions import Now
 from django.utils import timezone
 
 
@@ -152,7 +153,9 @@ class Run(models.Model):
     published_at = models.DateTimeField(null=True, blank=True)
     started_at = models.DateTimeField(null=True, blank=True)
     finished_at = models.DateTimeField(null=True, blank=True)
-    updated_at = models.DateTimeField(auto_now=True)
+    # The database's clock, never a process's (reconciliation compares it with the database's
+    # now): the default on insert, and every transition sets it (jobs.transitions).
+    updated_at = models.DateTimeField(db_default=Now())
     duplicate_deliveries = models.PositiveIntegerField(default=0)
     # Attempts made before the latest operator replay: a replay grants a fresh retry budget.
     retry_base = models.PositiveIntegerField(default=0)
@@ -441,3 +444,27 @@ class Tally(models.Model):
 
     def __str__(self) -> str:
         return f"{self.name}{{{self.labels}}} #{self.shard} {self.count}"
+
+
+class ProcessClock(models.Model):
+    """The skew of one process's clock against the database's (its clock minus the
+    database's), measured by the process itself every few seconds (dispatch.clockskew) and
+    exported as `scheduler_clock_skew_seconds`; a row not measured again within
+    `jobs.clock.CLOCK_SKEW_EXPIRY` is a process gone, no longer exported, then deleted."""
+
+    host = models.CharField(max_length=200)
+    pid = models.PositiveIntegerField()
+    kind = models.CharField(max_length=16)  # scheduler, relay, worker
+    name = models.CharField(max_length=200, blank=True, default="")
+    skew_seconds = models.FloatField()
+    measured_at = models.DateTimeField()  # the database's clock
+
+    class Meta:
+        db_table = "jobs_process_clock"
+        constraints = [
+            models.UniqueConstraint(fields=["host", "pid", "kind"], name="process_clock_unique"),
+        ]
+        indexes = [models.Index(fields=["measured_at"], name="process_clock_age_idx")]
+
+    def __str__(self) -> str:
+        return f"{self.kind} {self.host}:{self.pid} {self.skew_seconds:+.3f}s"

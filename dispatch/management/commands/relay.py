@@ -1,6 +1,7 @@
 from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError
 
+from dispatch.clockskew import ClockSkewConfig, clock_skew_thread
 from dispatch.loop import StopSignal, run_loop, run_once_step
 from dispatch.relay import ConfirmingPublisher, RelayConfig, queues_declare, relay_run_once
 from dispatch.wakeup import Listener
@@ -41,6 +42,7 @@ class Command(BaseCommand):
         queues_declare(publisher, settings.SCHEDULER_QUEUES)
         stop = StopSignal().install()
         listener = Listener((CHANNEL_OUTBOX,), stop)
+        clock_skew_thread(ClockSkewConfig(kind="relay"), stop).start()
         self.stdout.write("relay started")
         try:
             run_loop(

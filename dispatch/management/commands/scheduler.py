@@ -10,6 +10,7 @@ from collections.abc import Callable
 from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError
 
+from dispatch.clockskew import ClockSkewConfig, clock_skew_run_once
 from dispatch.loop import StopSignal, run_loop, run_once_step
 from dispatch.pruner import PrunerConfig, pruner_run_once
 from dispatch.reaper import OutageGrace, ReaperConfig, reaper_run_once
@@ -90,6 +91,8 @@ class Command(BaseCommand):
                 close=listener.close,
             )
         ]
+        skew = ClockSkewConfig(kind="scheduler")
+        loops.append(self.loop("clock-skew", run_once_step(clock_skew_run_once, skew), stop))
         if not options["without_reaper"]:
             reaper = ReaperConfig()
             grace = OutageGrace(reaper.recovery_grace_seconds)
