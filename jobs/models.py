@@ -92,6 +92,13 @@ class Job(models.Model):
         indexes = [
             models.Index(fields=["next_run_at"], name="job_due_idx", condition=Q(state="active")),
             models.Index(fields=["owner", "created_at"], name="job_owner_idx"),
+            # Jobs whose schedule is over and that are not completed yet: the completer's
+            # safety net reads these only (dispatch.completer).
+            models.Index(
+                fields=["id"],
+                name="job_awaiting_completion_idx",
+                condition=Q(state="active", next_run_at=None, deleted_at=None),
+            ),
         ]
         # The admin's actions (jobs/admin_actions.py) each need one of these.
         permissions = [
@@ -175,6 +182,18 @@ class Run(models.Model):
             models.Index(fields=["updated_at"], name="run_queued_idx", condition=Q(state="queued")),
             # The scheduler releases pending runs (jitter, buffer_one) once due.
             models.Index(fields=["due_at"], name="run_pending_idx", condition=Q(state="pending")),
+            # A job's active runs (overlap policy, the completer) and its latest finished
+            # ones (pause_after_failures), read without its history (issue 11).
+            models.Index(
+                fields=["job", "created_at"],
+                name="run_job_active_idx",
+                condition=Q(state__in=["pending", "queued", "retry_wait", "running"]),
+            ),
+            models.Index(
+                fields=["job", "finished_at", "id"],
+                name="run_job_finished_idx",
+                condition=Q(state__in=["failed", "succeeded"]),
+            ),
             # The pruner takes the oldest finished runs (jobs.retention), never reading the
             # active ones.
             models.Index(

@@ -3,9 +3,57 @@
 # Retention: run_finished_idx, through which the pruner finds the oldest finished runs
 # (jobs.retention). Clock skew: Run.updated_at from the database's clock (reconciliation
 # compares it with the database's now), and the table each process records its skew in.
+# Costs that grow with due work only: a job's active runs and its latest finished ones by
+# index (overlap, pause_after_failures, completion), the jobs awaiting completion by index,
+# and on PostgreSQL the trigger that completes a job from its last run's terminal
+# transition (dispatch.completer is then the safety net).
 
 import django.db.models.functions.datetime
 from django.db import migrations, models
+
+ACTIVE = "('pending', 'queued', 'retry_wait', 'running')"
+TERMINAL = "('cancelled', 'failed', 'skipped', 'succeeded')"
+
+# The job of a run that just ended completes when its schedule is over and no run of it is
+# still active, in the statement that ended the run (the worker's success, a failure, the
+# reaper, a cancel). Its row is taken SKIP LOCKED: a trigger or backfill that holds it is
+# about to add a run, and the completer's safety net looks again later. A run ending while
+# another of its job is still active leaves the job to that one's ending. About one primary
+# key probe per ended run (none locked for a recurring job: its next_run_at is set).
+COMPLETION = f"""
+CREATE FUNCTION scheduler_run_ended_completes_job() RETURNS trigger LANGUAGE plpgsql
+    SET plan_cache_mode = force_generic_plan AS $$
+BEGIN
+    PERFORM 1 FROM jobs_job
+     WHERE id = NEW.job_id AND state = 'active' AND next_run_at IS NULL AND deleted_at IS NULL
+       FOR UPDATE SKIP LOCKED;
+    IF FOUND AND NOT EXISTS (SELECT 1 FROM jobs_run
+                              WHERE job_id = NEW.job_id AND state IN {ACTIVE}) THEN
+        UPDATE jobs_job SET state = 'completed', updated_at = STATEMENT_TIMESTAMP()
+         WHERE id = NEW.job_id;
+        INSERT INTO jobs_auditevent (created_at, actor_label, action, job_id, data)
+        VALUES (STATEMENT_TIMESTAMP(), 'system:scheduler', 'job.completed', NEW.job_id, '{{}}');
+    END IF;
+    RETURN NULL;
+END $$;
+CREATE TRIGGER run_ended_completes_job AFTER UPDATE OF state ON jobs_run FOR EACH ROW
+    WHEN (OLD.state IN {ACTIVE} AND NEW.state IN {TERMINAL})
+    EXECUTE FUNCTION scheduler_run_ended_completes_job();
+"""
+COMPLETION_REVERSE = """
+DROP TRIGGER run_ended_completes_job ON jobs_run;
+DROP FUNCTION scheduler_run_ended_completes_job();
+"""
+
+
+def create_completion_trigger(apps, schema_editor):
+    if schema_editor.connection.vendor == "postgresql":
+        schema_editor.execute(COMPLETION)
+
+
+def drop_completion_trigger(apps, schema_editor):
+    if schema_editor.connection.vendor == "postgresql":
+        schema_editor.execute(COMPLETION_REVERSE)
 
 
 class Migration(migrations.Migration):
@@ -41,4 +89,17 @@ class Migration(migrations.Migration):
                 'constraints': [models.UniqueConstraint(fields=('host', 'pid', 'kind'), name='process_clock_unique')],
             },
         ),
+        migrations.AddIndex(
+            model_name='job',
+            index=models.Index(condition=models.Q(('deleted_at', None), ('next_run_at', None), ('state', 'active')), fields=['id'], name='job_awaiting_completion_idx'),
+        ),
+        migrations.AddIndex(
+            model_name='run',
+            index=models.Index(condition=models.Q(('state__in', ['pending', 'queued', 'retry_wait', 'running'])), fields=['job', 'created_at'], name='run_job_active_idx'),
+        ),
+        migrations.AddIndex(
+            model_name='run',
+            index=models.Index(condition=models.Q(('state__in', ['failed', 'succeeded'])), fields=['job', 'finished_at', 'id'], name='run_job_finished_idx'),
+        ),
+        migrations.RunPython(create_completion_trigger, drop_completion_trigger),
     ]
