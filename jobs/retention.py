@@ -33,17 +33,22 @@ MAY_RUN_AGAIN = _sql_in({JobState.ACTIVE, JobState.PAUSED})
 # How many of a job's newest terminal runs its policies need (validation: 1..1000 or null).
 KEEP_NEWEST = "COALESCE(CAST(j.spec ->> 'pause_after_failures' AS integer), 1)"
 
+NEWER_TERMINAL = f"""SELECT 1 FROM {Run._meta.db_table} n
+                     WHERE n.job_id = r.job_id AND n.scheduled_for > r.scheduled_for
+                       AND n.state IN {TERMINAL}"""
+# PostgreSQL stops counting a job's newer runs at the number it keeps (an index walk of a
+# few rows); SQLite cannot limit by an outer column, and counts them (embedded: small).
+KEPT = {
+    "postgresql": f"(SELECT count(*) FROM ({NEWER_TERMINAL} LIMIT {KEEP_NEWEST}) AS newer)",
+    "sqlite": f"(SELECT count(*) FROM ({NEWER_TERMINAL}) AS newer)",
+}
 EXPIRED_RUNS = f"""
 SELECT r.id FROM {Run._meta.db_table} r JOIN {Job._meta.db_table} j ON j.id = r.job_id
  WHERE r.state IN {TERMINAL} AND r.finished_at < %(cutoff)s
    AND NOT EXISTS (SELECT 1 FROM {Attempt._meta.db_table} a
                     WHERE a.run_id = r.id AND a.state = '{AttemptState.RUNNING}')
    AND NOT (j.state IN {MAY_RUN_AGAIN} AND j.deleted_at IS NULL
-            AND (SELECT count(*) FROM (SELECT 1 FROM {Run._meta.db_table} n
-                                        WHERE n.job_id = r.job_id
-                                          AND n.scheduled_for > r.scheduled_for
-                                          AND n.state IN {TERMINAL}
-                                        LIMIT {KEEP_NEWEST}) AS newer) < {KEEP_NEWEST})
+            AND {{kept}} < {KEEP_NEWEST})
  ORDER BY r.finished_at
  LIMIT %(limit)s"""
 
@@ -52,7 +57,7 @@ def runs_expired_claim(*, now: dt.datetime, retention: dt.timedelta, limit: int)
     """Lock and return the ids of up to `limit` runs that may go (module docstring), oldest
     first, through run_finished_idx; rows another transaction holds are passed over. Call
     in the transaction that deletes them."""
-    sql = EXPIRED_RUNS
+    sql = EXPIRED_RUNS.format(kept=KEPT.get(connection.vendor, KEPT["sqlite"]))
     if connection.vendor == "postgresql":
         sql += " FOR UPDATE OF r SKIP LOCKED"
     with connection.cursor() as cursor:

@@ -9,6 +9,7 @@
 # transition (dispatch.completer is then the safety net).
 
 import django.db.models.functions.datetime
+from django.contrib.postgres.operations import AddIndexConcurrently
 from django.db import migrations, models
 
 ACTIVE = "('pending', 'queued', 'retry_wait', 'running')"
@@ -46,6 +47,26 @@ DROP FUNCTION scheduler_run_ended_completes_job();
 """
 
 
+class AddIndexOnline(AddIndexConcurrently):
+    """CREATE INDEX CONCURRENTLY on PostgreSQL: jobs_run of a deployment that never pruned
+    is large, and a plain build would stop every write to it until done. A plain index
+    elsewhere (SQLite)."""
+
+    def database_forwards(self, app_label, schema_editor, from_state, to_state):
+        if schema_editor.connection.vendor == "postgresql":
+            return super().database_forwards(app_label, schema_editor, from_state, to_state)
+        return migrations.AddIndex.database_forwards(
+            self, app_label, schema_editor, from_state, to_state
+        )
+
+    def database_backwards(self, app_label, schema_editor, from_state, to_state):
+        if schema_editor.connection.vendor == "postgresql":
+            return super().database_backwards(app_label, schema_editor, from_state, to_state)
+        return migrations.AddIndex.database_backwards(
+            self, app_label, schema_editor, from_state, to_state
+        )
+
+
 def create_completion_trigger(apps, schema_editor):
     if schema_editor.connection.vendor == "postgresql":
         schema_editor.execute(COMPLETION)
@@ -57,13 +78,14 @@ def drop_completion_trigger(apps, schema_editor):
 
 
 class Migration(migrations.Migration):
+    atomic = False  # the concurrent index builds; each other operation is one statement
 
     dependencies = [
         ('jobs', '0014_run_indexes_no_query_needs'),
     ]
 
     operations = [
-        migrations.AddIndex(
+        AddIndexOnline(
             model_name='run',
             index=models.Index(condition=models.Q(('state__in', ['cancelled', 'failed', 'skipped', 'succeeded'])), fields=['finished_at'], name='run_finished_idx'),
         ),
@@ -89,15 +111,15 @@ class Migration(migrations.Migration):
                 'constraints': [models.UniqueConstraint(fields=('host', 'pid', 'kind'), name='process_clock_unique')],
             },
         ),
-        migrations.AddIndex(
+        AddIndexOnline(
             model_name='job',
             index=models.Index(condition=models.Q(('deleted_at', None), ('next_run_at', None), ('state', 'active')), fields=['id'], name='job_awaiting_completion_idx'),
         ),
-        migrations.AddIndex(
+        AddIndexOnline(
             model_name='run',
             index=models.Index(condition=models.Q(('state__in', ['pending', 'queued', 'retry_wait', 'running'])), fields=['job', 'created_at'], name='run_job_active_idx'),
         ),
-        migrations.AddIndex(
+        AddIndexOnline(
             model_name='run',
             index=models.Index(condition=models.Q(('state__in', ['failed', 'succeeded'])), fields=['job', 'finished_at', 'id'], name='run_job_finished_idx'),
         ),

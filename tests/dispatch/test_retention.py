@@ -25,7 +25,7 @@ from jobs.models import (
     Run,
     RunState,
 )
-from jobs.retention import EXPIRED_RUNS
+from jobs.retention import EXPIRED_RUNS, KEPT
 from jobs.services import job_trigger
 from logs_app.models import LogChunk, LogManifest
 from scheduler_project.settings.env import env_days
@@ -196,7 +196,10 @@ def test_the_candidates_are_read_through_the_finished_runs_index(user):
         # Tiny tables favour a sequential scan; without it the index must be usable, which
         # it is only while the query's states imply the partial index's predicate.
         cursor.execute("SET LOCAL enable_seqscan = off")
-        cursor.execute("EXPLAIN " + EXPIRED_RUNS, {"cutoff": NOW - 30 * DAY, "limit": 1000})
+        cursor.execute(
+            "EXPLAIN " + EXPIRED_RUNS.format(kept=KEPT["postgresql"]),
+            {"cutoff": NOW - 30 * DAY, "limit": 1000},
+        )
         plan = "\n".join(row[0] for row in cursor.fetchall())
     assert "run_finished_idx" in plan, plan
 
