@@ -17,7 +17,7 @@ from dispatch.completer import _awaiting, _finished
 from dispatch.materializer import active_scheduled_runs
 from dispatch.reconciler import ReconcileConfig, _window, reconcile_run_once
 from dispatch.scheduler import SchedulerConfig, scheduler_run_once
-from jobs.models import Job, Run, RunState
+from jobs.models import Job, JobVersion, Run, RunState
 from jobs.services import LATEST_FINISHED
 from tests.factories import make_job, publish
 
@@ -32,22 +32,16 @@ NOW = dt.datetime(2030, 1, 1, 12, 0, tzinfo=dt.UTC)
 def history(job: Job, runs: int) -> None:
     """`runs` finished runs of `job` (a minute apart, before NOW), as months of an interval
     job leave them, and fresh statistics: the planner then chooses by real sizes."""
+    version = JobVersion.objects.get(job=job, version=job.version)
+    at = [NOW - dt.timedelta(minutes=n + 1) for n in range(runs)]
+    Run.objects.bulk_create(
+        [Run(job=job, job_version=version, state=RunState.SUCCEEDED, scheduled_for=t,
+             idempotency_key=f"history-{job.id}-{n}", attempt_count=1, fencing_token=1,
+             due_at=t, created_at=t, finished_at=t)
+         for n, t in enumerate(at)],
+        batch_size=5000,
+    )  # fmt: skip
     with connection.cursor() as cursor:
-        cursor.execute(
-            """
-            INSERT INTO jobs_run (id, job_id, job_version_id, kind, state, scheduled_for,
-                                  idempotency_key, fencing_token, attempt_count, failure_reason,
-                                  skip_reason, due_at, created_at, finished_at,
-                                  duplicate_deliveries, retry_base, republish_count)
-            SELECT gen_random_uuid(), j.id, v.id, 'scheduled', 'succeeded', t.at,
-                   'history-' || j.id || '-' || g, 1, 1, '', '', t.at, t.at, t.at, 0, 0, 0
-              FROM jobs_job j JOIN jobs_jobversion v ON v.job_id = j.id AND v.version = j.version,
-                   generate_series(1, %(runs)s) AS g,
-                   LATERAL (SELECT %(now)s::timestamptz - g * interval '1 minute' AS at) AS t
-             WHERE j.id = %(job)s
-            """,
-            {"job": job.id, "runs": runs, "now": NOW},
-        )
         cursor.execute("ANALYZE jobs_run")
         cursor.execute("ANALYZE jobs_job")
 
