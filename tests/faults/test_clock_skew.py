@@ -58,15 +58,15 @@ def test_fast_scheduler_and_relay_slow_worker_run_nothing_early_and_steal_no_lea
         factories.one_time_job(task="tests.record", due_at=start + dt.timedelta(seconds=3 + n))
         for n in range(12)
     ]
-    # Longer than its heartbeat timeout: its lease lives only through the slow worker's
-    # renewals, judged by a fast scheduler's reaper.
+    # Twice its heartbeat timeout: its lease lives only through the slow worker's renewals
+    # (every 2 s), judged by a fast scheduler's reaper; 6 s leaves room for a loaded box.
     jobs.append(
         factories.one_time_job(
             task="faults.wait",
-            args=[8],
-            heartbeat_timeout_seconds=3,
+            args=[12],
+            heartbeat_timeout_seconds=6,
             due_at=start + dt.timedelta(seconds=3),
-        )  # fmt: skip
+        )
     )
     interval = factories.make_job(owner, now=start, task="tests.record",
                                   schedule={"kind": "interval", "every_seconds": 2})  # fmt: skip
