@@ -336,18 +336,24 @@ def _overlap_runs(jobs: list[DueJob]) -> dict:
     ids = [job.id for job in jobs if job.spec.get("overlap", "allow") != "allow"]
     if not ids:
         return {}
+    active: dict = {}
+    for run in active_scheduled_runs(ids):
+        active.setdefault(run.job_id, []).append(run)
+    return active
+
+
+def active_scheduled_runs(job_ids: list):
+    """The newest OVERLAP_RUNS_PER_JOB active scheduled runs of each job, oldest first:
+    read through run_job_active_idx (active runs only), never a job's history."""
     newest = Window(
         RowNumber(), partition_by=[F("job_id")], order_by=[F("created_at").desc(), F("id").desc()]
     )
-    active: dict = {}
-    for run in (
-        Run.objects.filter(job_id__in=ids, kind=RunKind.SCHEDULED, state__in=ACTIVE_RUN_STATES)
+    return (
+        Run.objects.filter(job_id__in=job_ids, kind=RunKind.SCHEDULED, state__in=ACTIVE_RUN_STATES)
         .annotate(newest=newest)
         .filter(newest__lte=OVERLAP_RUNS_PER_JOB)
         .order_by("created_at", "id")
-    ):
-        active.setdefault(run.job_id, []).append(run)
-    return active
+    )
 
 
 def _new_run(job: DueJob, at: dt.datetime, now: dt.datetime) -> NewRun:

@@ -13,6 +13,12 @@ them, and counts and records every repair in the run's history.
 
 Every repair is one conditional update on rows claimed with FOR UPDATE SKIP LOCKED, so any
 number of replicas may run it; no transaction waits on the broker.
+
+A pass costs the same however many runs are queued: it examines a window of at most
+`scan_size` queued runs, read from run_queued_idx alone (queued runs only) starting at a
+random instant between the oldest and the cutoff (wrapping round), and only those are
+checked for a pending outbox row, read for their queue and locked; a lost run behind a
+long backlog of waiting ones is found within a few passes, not at once.
 """
 
 from __future__ import annotations
@@ -20,10 +26,11 @@ from __future__ import annotations
 import dataclasses
 import datetime as dt
 import logging
+import random
 from collections.abc import Callable
 
 from django.db import transaction
-from django.db.models import Exists, Max, OuterRef, Q, Subquery
+from django.db.models import Exists, Max, Min, OuterRef, Q, Subquery
 from kombu import Connection
 
 from jobs.audit import audit_record
@@ -69,6 +76,7 @@ class ReconcileConfig:
     max_republish: int | None = None
     running_orphan_after_seconds: float = 30.0
     outbox_alarm_after_seconds: float = 60.0
+    scan_size: int = 2000  # queued runs examined per pass (module docstring)
     # What the relays hold rows back for (SCHEDULER_QUEUE_HIGH_WATER,
     # SCHEDULER_OWNER_MAX_ACTIVE_RUNS): rows waiting for them are not alarmed as stuck.
     queue_high_water: int | None = None
@@ -77,7 +85,7 @@ class ReconcileConfig:
     def __post_init__(self) -> None:
         config_require(
             self,
-            at_least_one=("batch_size", "queue_high_water", "owner_max_active_runs"),
+            at_least_one=("batch_size", "scan_size", "queue_high_water", "owner_max_active_runs"),
             positive=(
                 "poll_interval",
                 "queued_after_seconds",
@@ -135,12 +143,28 @@ def _published_long_ago(*, now: dt.datetime, config: ReconcileConfig):
     for count in range(BACKOFF_STEPS):
         backed_off |= Q(republish_count=count, updated_at__lt=now - wait * 2**count)
     return (
-        # An index range first (run_queued_idx), then the per-run conditions.
-        Run.objects.filter(state=RunState.QUEUED, updated_at__lt=now - wait)
+        Run.objects.filter(id__in=_window(now=now, config=config))
         .filter(backed_off)
         .filter(~Exists(OutboxMessage.objects.filter(run=OuterRef("pk"))))
         .annotate(message_queue=run_lane_queue())
     )
+
+
+def _window(*, now: dt.datetime, config: ReconcileConfig) -> list:
+    """The ids of up to `scan_size` runs queued before the cutoff, read from run_queued_idx
+    alone, from a random instant between the oldest of them and the cutoff on (wrapping
+    round): every queued run is examined within a few passes, at a bounded cost each."""
+    cutoff = now - dt.timedelta(seconds=config.queued_after_seconds)
+    queued = Run.objects.filter(state=RunState.QUEUED, updated_at__lt=cutoff)
+    oldest = queued.aggregate(at=Min("updated_at"))["at"]
+    if oldest is None:
+        return []
+    start = oldest + (cutoff - oldest) * random.random()
+    ids = queued.order_by("updated_at").values_list("id", flat=True)
+    window = list(ids.filter(updated_at__gte=start)[: config.scan_size])
+    if len(window) < config.scan_size:
+        window += ids.filter(updated_at__lt=start)[: config.scan_size - len(window)]
+    return window
 
 
 def _latest_claimed_creations(queues: list[str]) -> dict[str, dt.datetime]:

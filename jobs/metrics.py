@@ -18,7 +18,7 @@ from django.db.models import Count, Min, Sum
 from django.db.models.functions import Coalesce, Greatest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
-from .clock import db_now
+from .clock import CLOCK_SKEW_EXPIRY, db_now
 from .models import (
     AttemptState,
     Counter,
@@ -27,6 +27,7 @@ from .models import (
     OutboxMessage,
     OutboxState,
     PartitionLease,
+    ProcessClock,
     Run,
     RunState,
     SchedulerReplica,
@@ -190,6 +191,17 @@ class DatabaseCollector:
         )
         for name, (buckets, total) in _histograms().items():
             yield HistogramMetricFamily(name, STAGES[name], buckets=buckets, sum_value=total)
+        skews = GaugeMetricFamily(
+            "scheduler_clock_skew_seconds",
+            "This process's clock minus the database's, as each process measured it last.",
+            labels=["host", "pid", "kind", "name"],
+        )
+        live = ProcessClock.objects.filter(measured_at__gte=now - CLOCK_SKEW_EXPIRY)
+        for host, pid, kind, name, skew in live.values_list(
+            "host", "pid", "kind", "name", "skew_seconds"
+        ):
+            skews.add_metric([host, str(pid), kind, name], skew)
+        yield skews
         runs = GaugeMetricFamily("scheduler_runs", "Runs by state.", labels=["state"])
         counts = dict(Run.objects.values_list("state").annotate(count=Count("id")))
         for state in RunState.values:  # every state, zeros included, in one query

@@ -9,6 +9,7 @@ import uuid
 from django.conf import settings
 from django.db import models
 from django.db.models import Q
+from django.db.models.functions import Now
 from django.utils import timezone
 
 
@@ -91,6 +92,13 @@ class Job(models.Model):
         indexes = [
             models.Index(fields=["next_run_at"], name="job_due_idx", condition=Q(state="active")),
             models.Index(fields=["owner", "created_at"], name="job_owner_idx"),
+            # Jobs whose schedule is over and that are not completed yet: the completer's
+            # safety net reads these only (dispatch.completer).
+            models.Index(
+                fields=["id"],
+                name="job_awaiting_completion_idx",
+                condition=Q(state="active", next_run_at=None, deleted_at=None),
+            ),
         ]
         # The admin's actions (jobs/admin_actions.py) each need one of these.
         permissions = [
@@ -152,7 +160,9 @@ class Run(models.Model):
     published_at = models.DateTimeField(null=True, blank=True)
     started_at = models.DateTimeField(null=True, blank=True)
     finished_at = models.DateTimeField(null=True, blank=True)
-    updated_at = models.DateTimeField(auto_now=True)
+    # The database's clock, never a process's (reconciliation compares it with the database's
+    # now): the default on insert, and every transition sets it (jobs.transitions).
+    updated_at = models.DateTimeField(db_default=Now())
     duplicate_deliveries = models.PositiveIntegerField(default=0)
     # Attempts made before the latest operator replay: a replay grants a fresh retry budget.
     retry_base = models.PositiveIntegerField(default=0)
@@ -172,6 +182,25 @@ class Run(models.Model):
             models.Index(fields=["updated_at"], name="run_queued_idx", condition=Q(state="queued")),
             # The scheduler releases pending runs (jitter, buffer_one) once due.
             models.Index(fields=["due_at"], name="run_pending_idx", condition=Q(state="pending")),
+            # A job's active runs (overlap policy, the completer) and its latest finished
+            # ones (pause_after_failures), read without its history (issue 11).
+            models.Index(
+                fields=["job", "created_at"],
+                name="run_job_active_idx",
+                condition=Q(state__in=["pending", "queued", "retry_wait", "running"]),
+            ),
+            models.Index(
+                fields=["job", "finished_at", "id"],
+                name="run_job_finished_idx",
+                condition=Q(state__in=["failed", "succeeded"]),
+            ),
+            # The pruner takes the oldest finished runs (jobs.retention), never reading the
+            # active ones.
+            models.Index(
+                fields=["finished_at"],
+                name="run_finished_idx",
+                condition=Q(state__in=["cancelled", "failed", "skipped", "succeeded"]),
+            ),
         ]
         constraints = [
             # One scheduled run per occurrence, however many scheduler replicas run.
@@ -524,3 +553,27 @@ class SchedulerReplica(models.Model):
 
     def __str__(self) -> str:
         return f"{self.holder} until {self.expires_at}"
+
+
+class ProcessClock(models.Model):
+    """The skew of one process's clock against the database's (its clock minus the
+    database's), measured by the process itself every few seconds (dispatch.clockskew) and
+    exported as `scheduler_clock_skew_seconds`; a row not measured again within
+    `jobs.clock.CLOCK_SKEW_EXPIRY` is a process gone, no longer exported, then deleted."""
+
+    host = models.CharField(max_length=200)
+    pid = models.PositiveIntegerField()
+    kind = models.CharField(max_length=16)  # scheduler, relay, worker
+    name = models.CharField(max_length=200, blank=True, default="")
+    skew_seconds = models.FloatField()
+    measured_at = models.DateTimeField()  # the database's clock
+
+    class Meta:
+        db_table = "jobs_process_clock"
+        constraints = [
+            models.UniqueConstraint(fields=["host", "pid", "kind"], name="process_clock_unique"),
+        ]
+        indexes = [models.Index(fields=["measured_at"], name="process_clock_age_idx")]
+
+    def __str__(self) -> str:
+        return f"{self.kind} {self.host}:{self.pid} {self.skew_seconds:+.3f}s"

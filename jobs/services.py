@@ -8,7 +8,7 @@ import time
 
 from django.conf import settings
 from django.contrib.auth.models import AbstractBaseUser
-from django.db import transaction
+from django.db import connection, transaction
 from django.db.models import F, Max, Q, Window
 from django.db.models.functions import RowNumber
 
@@ -475,6 +475,45 @@ def jobs_pause_if_failing(*, jobs: list[Job], now: dt.datetime) -> set:
     }
     if not limits:
         return set()
+    failed, other = _latest_finished_runs(limits)
+    paused = set()
+    for job in jobs:
+        limit = limits.get(job.id)
+        if limit and failed[job.id] == limit and job.id not in other:
+            reason = f"{limit} consecutive failed runs"
+            if job_pause(job=job, actor=None, now=now, reason=reason):
+                paused.add(job.id)
+    return paused
+
+
+# Per job, its latest `limit` finished runs since its last resume, newest first: a backward
+# walk of run_job_finished_idx that stops after `limit` rows, whatever the job's history.
+LATEST_FINISHED = f"""
+SELECT limits.job_id, latest.state
+  FROM unnest(%(jobs)s::uuid[], %(limits)s::int[]) AS limits(job_id, n)
+  JOIN {Job._meta.db_table} j ON j.id = limits.job_id
+ CROSS JOIN LATERAL (
+       SELECT r.state FROM {Run._meta.db_table} r
+        WHERE r.job_id = limits.job_id AND r.state IN ('failed', 'succeeded')
+          AND r.finished_at IS NOT NULL
+          AND (j.resumed_at IS NULL OR r.finished_at > j.resumed_at)
+        ORDER BY r.finished_at DESC, r.id DESC
+        LIMIT limits.n) AS latest"""
+
+
+def _latest_finished_runs(limits: dict) -> tuple[dict, set]:
+    """(job id -> failed runs among its latest `limits[job]` finished ones, the jobs of
+    which one of those succeeded)."""
+    failed, other = dict.fromkeys(limits, 0), set()
+    if connection.vendor == "postgresql":
+        with connection.cursor() as cursor:
+            cursor.execute(LATEST_FINISHED, {"jobs": list(limits), "limits": list(limits.values())})
+            for job_id, state in cursor.fetchall():
+                if state == RunState.FAILED:
+                    failed[job_id] += 1
+                else:
+                    other.add(job_id)
+        return failed, other
     last_first = Window(
         RowNumber(),
         partition_by=[F("job_id")],
@@ -498,11 +537,4 @@ def jobs_pause_if_failing(*, jobs: list[Job], now: dt.datetime) -> set:
                 failed[job_id] += 1
             else:
                 other.add(job_id)
-    paused = set()
-    for job in jobs:
-        limit = limits.get(job.id)
-        if limit and failed[job.id] == limit and job.id not in other:
-            reason = f"{limit} consecutive failed runs"
-            if job_pause(job=job, actor=None, now=now, reason=reason):
-                paused.add(job.id)
-    return paused
+    return failed, other

@@ -36,7 +36,9 @@ JOB_TRANSITIONS: dict[str, frozenset[str]] = {
     JobState.PAUSED: frozenset({JobState.ACTIVE}),
     JobState.ACTIVE: frozenset({JobState.PAUSED}),
     JobState.CANCELLED: frozenset({JobState.ACTIVE, JobState.PAUSED}),
-    # A job whose schedule is over, once none of its runs is active (the completer).
+    # A job whose schedule is over, once none of its runs is active: on PostgreSQL in the
+    # statement that ends its last run (trigger run_ended_completes_job, jobs/0017, the
+    # same conditional update), else by the completer (dispatch.completer).
     JobState.COMPLETED: frozenset({JobState.ACTIVE}),
 }
 # Job states in which its spec may change and operators may act on it.

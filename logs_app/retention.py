@@ -2,7 +2,8 @@
 finished more than `retention_days` ago. A running attempt is never pruned.
 
 `logs_prune` does one bounded batch; the pruner (dispatch.pruner) calls it once per pass, and
-`manage.py prune_logs` loops it until nothing is left.
+`manage.py prune_logs` loops it until nothing is left. `run_logs_delete` goes with the
+pruning of whole runs (jobs.retention), in its transaction.
 """
 
 from __future__ import annotations
@@ -51,3 +52,17 @@ def logs_prune(
     )
     deleted += LogManifest.objects.filter(id__in=list(manifests)).delete()[0]
     return deleted
+
+
+def run_logs_delete(*, run_ids: list) -> tuple[int, list[str]]:
+    """Delete the log rows (manifests, chunks) of these runs' attempts in the caller's
+    transaction: (rows deleted, names of their stored content). The caller deletes the
+    content (`store.stored_content_delete`) once the transaction committed, so a rollback
+    never leaves a kept chunk without its content (a crash in between leaves orphan files)."""
+    if not run_ids:
+        return 0, []
+    chunks = LogChunk.objects.filter(run_id__in=run_ids)
+    names = list(chunks.exclude(storage_name="").values_list("storage_name", flat=True))
+    deleted = LogManifest.objects.filter(attempt__run_id__in=run_ids).delete()[0]
+    deleted += chunks.delete()[0]
+    return deleted, names

@@ -254,13 +254,18 @@ def chunk_lines(chunk: LogChunk) -> list[dict]:
 
 def chunks_delete(chunks) -> int:
     """Delete chunk rows and their stored content (retention)."""
-    storage = storages[STORAGE_ALIAS]
     rows = list(chunks.values_list("id", "storage_name"))
-    for _, name in rows:
-        if name:
-            try:
-                storage.delete(name)
-            except Exception:  # noqa: BLE001 - any backend's failure; see docs/logs.md
-                log.warning("could not delete stored log content %s", name, exc_info=True)
+    stored_content_delete([name for _, name in rows if name])
     LogChunk.objects.filter(id__in=[row[0] for row in rows]).delete()
     return len(rows)
+
+
+def stored_content_delete(names: list[str]) -> None:
+    """Delete chunks' content from the storage; a failure is logged, never raised (the row
+    is gone or going: the content is only an orphan file then)."""
+    storage = storages[STORAGE_ALIAS]
+    for name in names:
+        try:
+            storage.delete(name)
+        except Exception:  # noqa: BLE001 - any backend's failure; see docs/logs.md
+            log.warning("could not delete stored log content %s", name, exc_info=True)

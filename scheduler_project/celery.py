@@ -45,5 +45,15 @@ def declare_allowed_queues(sender, **kwargs) -> None:
                 connection.close()
 
 
+@worker_ready.connect
+def measure_clock_skew(sender, **kwargs) -> None:
+    """The worker's skew against the database's clock, measured by its main process while
+    it lives (its pool processes share its host's clock)."""
+    from dispatch.clockskew import ClockSkewConfig, clock_skew_thread
+    from dispatch.loop import StopSignal
+
+    clock_skew_thread(ClockSkewConfig(kind="worker", name=sender.hostname), StopSignal()).start()
+
+
 # Client task modules (SCHEDULER_TASK_MODULES) are imported by dispatch's AppConfig.ready,
 # which Celery's Django fix-up runs in every worker before it consumes.

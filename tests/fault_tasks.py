@@ -4,6 +4,7 @@ the effect's transaction, so that the invariant checker can count committed effe
 
 import os
 import signal
+import threading
 import time
 
 from dispatch import job_task
@@ -43,6 +44,21 @@ def work(ctx, seconds=0.3):
     _commit_effect(ctx, "work")
     _record(ctx, "executed")
     return {"ok": True}
+
+
+@job_task(name="faults.wait")
+def wait(ctx, seconds=5.0):
+    """Waits, heartbeating every second, on an Event rather than time.sleep: under
+    libfaketime with the monotonic clock left real, time.sleep fails (EINVAL from its
+    clock_nanosleep), and faking the monotonic clock too hangs Event waits."""
+    _record(ctx, "started", pid=os.getpid())
+    pause = threading.Event()
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        ctx.heartbeat()
+        pause.wait(min(1.0, max(0.0, deadline - time.monotonic())))
+    _record(ctx, "executed")
+    return {"waited": seconds}
 
 
 @job_task(name="faults.oblivious")

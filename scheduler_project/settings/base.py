@@ -190,6 +190,8 @@ SCHEDULER_LOGS = {
     "flush_bytes": 256 * 1024,
     "buffer_max_bytes": 16 * 1024 * 1024,  # held while the log store is unreachable
 }
+# Finished runs and everything that hangs off them go this long after they finished.
+SCHEDULER_RUN_RETENTION_DAYS = env.SCHEDULER_RUN_RETENTION_DAYS
 LOGIN_URL = "/admin/login/"
 
 REST_FRAMEWORK = {

@@ -1,5 +1,6 @@
 """The one place that reads the environment (SPEC names)."""
 
+import math
 import os
 from pathlib import Path
 
@@ -37,6 +38,18 @@ def env_number(name: str, default: float, *, minimum: float, maximum: float, kin
 
 def env_list(name: str) -> list[str]:
     return [item.strip() for item in os.environ.get(name, "").split(",") if item.strip()]
+
+
+def env_days(name: str, default: str) -> float:
+    """A positive number of days; fractions allowed (a test's retention of a few seconds)."""
+    raw = env_str(name, default)
+    try:
+        days = float(raw)
+    except ValueError:
+        raise ValueError(f"{name} must be a number of days, not {raw!r}") from None
+    if not math.isfinite(days) or days <= 0:
+        raise ValueError(f"{name} must be a number of days greater than 0, not {raw!r}")
+    return days
 
 
 DATABASE_URL = env_str("DATABASE_URL", f"sqlite:///{VAR_DIR / 'scheduler.sqlite3'}")
@@ -95,6 +108,9 @@ SCHEDULER_LOG_STORAGE = env_str(
 )
 SCHEDULER_LOG_STORAGE_OPTIONS = os.environ.get("SCHEDULER_LOG_STORAGE_OPTIONS", "")
 SCHEDULER_LOG_RETENTION_DAYS = int(env_str("SCHEDULER_LOG_RETENTION_DAYS", "30"))
+# Finished runs (with their attempts, outbox rows, effects, audit events and logs) are
+# pruned this long after they finished (dispatch.pruner; docs/operations.md, "Retention").
+SCHEDULER_RUN_RETENTION_DAYS = env_days("SCHEDULER_RUN_RETENTION_DAYS", "30")
 # false: handlers' output is not captured (it goes to the worker's own log, as Celery does).
 SCHEDULER_LOG_CAPTURE = env_bool("SCHEDULER_LOG_CAPTURE", True)
 SCHEDULER_LOG_MAX_BYTES = int(env_str("SCHEDULER_LOG_MAX_BYTES", str(10 * 1024 * 1024)))

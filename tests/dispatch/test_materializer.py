@@ -10,6 +10,7 @@ from __future__ import annotations
 import datetime as dt
 
 import pytest
+from django.db import connection
 
 from dispatch import materializer as materializer_module
 from dispatch.materializer import OCCURRENCES_PER_JOB_PER_PASS
@@ -483,7 +484,7 @@ def test_pause_after_failures_is_judged_per_job_in_one_batch(make_job, user):
 # --- the end of a schedule ----------------------------------------------------------------
 
 
-def test_a_one_time_job_completes_once_its_run_is_terminal(make_job):
+def test_a_one_time_job_completes_with_its_run_s_terminal_transition(make_job):
     job = make_job(now=T0, schedule={"kind": "once", "run_at": at(minutes=1).isoformat()})
     run_once(at(minutes=1))
     assert reload(job).state == JobState.ACTIVE  # its run is still queued
@@ -491,6 +492,34 @@ def test_a_one_time_job_completes_once_its_run_is_terminal(make_job):
     attempt = claim(run, at(minutes=1, seconds=1))
     assert run_once(at(minutes=1, seconds=2)).jobs_completed == 0
     assert attempt_succeed(attempt=attempt, now=at(minutes=1, seconds=3))
+    # Completed by the run's own ending (run_ended_completes_job), not by a later scan.
+    assert reload(job).state == JobState.COMPLETED
+    assert run_once(at(minutes=1, seconds=4)).jobs_completed == 0
+    assert AuditEvent.objects.filter(job=job, action="job.completed").count() == 1
+
+
+def test_a_job_completes_with_the_last_of_its_active_runs(make_job, user):
+    job = make_job(now=T0, schedule={"kind": "once", "run_at": at(minutes=1).isoformat()})
+    run_once(at(minutes=1))
+    scheduled = Run.objects.get(job=job)
+    manual = job_trigger(job=job, actor=user, now=at(minutes=1))
+    attempt = claim(scheduled, at(minutes=1, seconds=1))
+    assert attempt_succeed(attempt=attempt, now=at(minutes=1, seconds=2))
+    assert reload(job).state == JobState.ACTIVE  # the manual run is still queued
+    attempt = claim(manual, at(minutes=1, seconds=3))
+    assert attempt_fail(attempt=attempt, now=at(minutes=1, seconds=4), error="x", retry_at=None)
+    assert reload(job).state == JobState.COMPLETED
+
+
+def test_the_completer_is_the_safety_net_for_a_job_its_runs_did_not_complete(make_job):
+    job = make_job(now=T0, schedule={"kind": "once", "run_at": at(minutes=1).isoformat()})
+    run_once(at(minutes=1))
+    run = Run.objects.get(job=job)
+    with connection.cursor() as cursor:  # undone with the test's transaction
+        cursor.execute("SET CONSTRAINTS ALL IMMEDIATE")  # no pending checks: ALTER may run
+        cursor.execute("ALTER TABLE jobs_run DISABLE TRIGGER run_ended_completes_job")
+    assert attempt_succeed(attempt=claim(run, at(minutes=1, seconds=1)))
+    assert reload(job).state == JobState.ACTIVE
     assert run_once(at(minutes=1, seconds=4)).jobs_completed == 1
     assert reload(job).state == JobState.COMPLETED
     assert AuditEvent.objects.filter(job=job, action="job.completed").count() == 1

@@ -1,6 +1,7 @@
 from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError
 
+from dispatch.clockskew import ClockSkewConfig, clock_skew_thread
 from dispatch.loop import StopSignal, run_loop, run_once_step
 from dispatch.relay import (
     ConfirmingPublisher,
@@ -54,6 +55,7 @@ class Command(BaseCommand):
         queues_declare(publisher, lane_queues(settings.SCHEDULER_QUEUES))
         stop = StopSignal().install()
         listener = Listener((CHANNEL_OUTBOX,), stop)
+        clock_skew_thread(ClockSkewConfig(kind="relay"), stop).start()
         self.stdout.write("relay started")
         try:
             run_loop(

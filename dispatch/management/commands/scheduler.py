@@ -12,6 +12,7 @@ from django.core.management.base import BaseCommand, CommandError
 from django.db import connection
 from django.db.backends.signals import connection_created
 
+from dispatch.clockskew import ClockSkewConfig, clock_skew_run_once
 from dispatch.loop import StopSignal, run_loop, run_once_step
 from dispatch.partitions import PartitionKeeper, PartitionsConfig, replica_holder
 from dispatch.pruner import PrunerConfig, pruner_run_once
@@ -52,10 +53,16 @@ class Command(BaseCommand):
         parser.add_argument(
             "--without-pruner",
             action="store_true",
-            help="run no pruning loop (idempotency keys, run logs) in this process",
+            help="run no pruning loop (finished runs, idempotency keys, run logs) in this process",
         )
         parser.add_argument(
             "--reconcile-interval", type=float, default=ReconcileConfig.poll_interval
+        )
+        parser.add_argument(
+            "--prune-interval",
+            type=float,
+            default=PrunerConfig.poll_interval,
+            help="seconds between pruning steps (retention is in days: no hurry)",
         )
         parser.add_argument(
             "--queued-after",
@@ -117,6 +124,8 @@ class Command(BaseCommand):
             loops.append(
                 self.loop("partitions", step, stop, wait=self.keeper.wait, close=self.keeper.close)
             )
+        skew = ClockSkewConfig(kind="scheduler")
+        loops.append(self.loop("clock-skew", run_once_step(clock_skew_run_once, skew), stop))
         if not options["without_reaper"]:
             reaper = ReaperConfig()
             grace = OutageGrace(reaper.recovery_grace_seconds)
@@ -144,7 +153,13 @@ class Command(BaseCommand):
             loops.append(
                 self.loop(
                     "pruner",
-                    run_once_step(pruner_run_once, PrunerConfig(batch_size=options["batch_size"])),
+                    run_once_step(
+                        pruner_run_once,
+                        PrunerConfig(
+                            batch_size=options["batch_size"],
+                            poll_interval=options["prune_interval"],
+                        ),
+                    ),
                     stop,
                 )
             )

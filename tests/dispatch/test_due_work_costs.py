@@ -1,0 +1,119 @@
+"""Costs that grow with due work only (issue 11): the completer, reconciliation, the
+overlap and pause_after_failures checks and the pruner read their rows through partial
+indexes that hold only what they look for, shown by their plans (with sequential scans
+off: on a test's tiny tables the planner would rightly scan, so what is shown is that the
+index serves the query, its predicate implied by the query's); and reconciliation
+examines a bounded window of queued runs per pass, asking the broker outside any
+transaction."""
+
+from __future__ import annotations
+
+import datetime as dt
+
+import pytest
+from django.db import connection, transaction
+
+from dispatch.completer import _awaiting, _finished
+from dispatch.materializer import active_scheduled_runs
+from dispatch.reconciler import ReconcileConfig, _window, reconcile_run_once
+from dispatch.scheduler import SchedulerConfig, scheduler_run_once
+from jobs.models import Job, JobVersion, Run, RunState
+from jobs.services import LATEST_FINISHED
+from tests.factories import make_job, publish
+
+pytestmark = [
+    pytest.mark.django_db,
+    pytest.mark.skipif(connection.vendor != "postgresql", reason="PostgreSQL's plans"),
+]
+
+NOW = dt.datetime(2030, 1, 1, 12, 0, tzinfo=dt.UTC)
+
+
+def history(job: Job, runs: int) -> None:
+    """`runs` finished runs of `job` (a minute apart, before NOW), as months of an interval
+    job leave them, and fresh statistics: the planner then chooses by real sizes."""
+    version = JobVersion.objects.get(job=job, version=job.version)
+    at = [NOW - dt.timedelta(minutes=n + 1) for n in range(runs)]
+    Run.objects.bulk_create(
+        [Run(job=job, job_version=version, state=RunState.SUCCEEDED, scheduled_for=t,
+             idempotency_key=f"history-{job.id}-{n}", attempt_count=1, fencing_token=1,
+             due_at=t, created_at=t, finished_at=t)
+         for n, t in enumerate(at)],
+        batch_size=5000,
+    )  # fmt: skip
+    with connection.cursor() as cursor:
+        cursor.execute("ANALYZE jobs_run")
+        cursor.execute("ANALYZE jobs_job")
+
+
+def plan(sql: str, params=None) -> str:
+    with transaction.atomic(), connection.cursor() as cursor:
+        cursor.execute("SET LOCAL enable_seqscan = off")
+        cursor.execute("EXPLAIN " + sql, params)
+        return "\n".join(row[0] for row in cursor.fetchall())
+
+
+def queryset_plan(queryset) -> str:
+    sql, params = queryset.query.sql_with_params()
+    return plan(sql, params)
+
+
+def test_the_completer_reads_only_jobs_awaiting_completion_and_their_active_runs(user):
+    job = make_job(user, now=NOW)
+    history(job, 5000)
+    window = _awaiting(Job.objects.all()).order_by("id").values_list("id", flat=True)[:2000]
+    assert "job_awaiting_completion_idx" in queryset_plan(window)
+    probe = queryset_plan(_finished(Job.objects.filter(id__in=[job.id])))
+    assert "run_job_active_idx" in probe, probe
+
+
+def test_overlap_reads_only_the_jobs_active_runs(user):
+    job = make_job(user, now=NOW, overlap="skip")
+    history(job, 5000)
+    assert "run_job_active_idx" in queryset_plan(active_scheduled_runs([job.id]))
+
+
+def test_pause_after_failures_reads_each_jobs_latest_finished_runs_only(user):
+    job = make_job(user, now=NOW, pause_after_failures=3)
+    for other in [make_job(user, now=NOW, name=f"other {n}") for n in range(4)]:
+        history(other, 5000)
+    history(job, 5000)
+    text = plan(LATEST_FINISHED, {"jobs": [job.id], "limits": [3]})
+    assert "run_job_finished_idx" in text and "Limit" in text, text
+
+
+def test_reconciliation_reads_its_window_from_the_queued_runs_index():
+    queued = Run.objects.filter(state=RunState.QUEUED, updated_at__lt=NOW, updated_at__gte=NOW)
+    text = queryset_plan(queued.order_by("updated_at").values_list("id", flat=True)[:2000])
+    assert "run_queued_idx" in text, text
+
+
+def lost_runs(user, count: int) -> list[Run]:
+    """`count` one-time jobs' runs, published an hour ago and never claimed."""
+    for n in range(count):
+        at = NOW - dt.timedelta(hours=1, seconds=n)
+        make_job(user, now=at - dt.timedelta(minutes=1), name=f"lost {n}",
+                 schedule={"kind": "once", "run_at": at.isoformat()})  # fmt: skip
+    scheduler_run_once(now=NOW - dt.timedelta(minutes=59), config=SchedulerConfig())
+    runs = list(Run.objects.all())
+    for run in runs:
+        publish(run, at=NOW - dt.timedelta(hours=1))
+    return runs
+
+
+def test_reconciliation_examines_a_bounded_window_and_finds_every_lost_run_in_time(user):
+    runs = lost_runs(user, 12)
+    config = ReconcileConfig(queued_after_seconds=300, scan_size=5)
+    assert len(_window(now=NOW, config=config)) == 5
+    outer, depths = len(connection.atomic_blocks), []  # the test's own transaction
+
+    def depth(queue: str) -> int:
+        depths.append(len(connection.atomic_blocks) - outer)
+        return 0  # idle: every examined run is lost
+
+    passes = []
+    while Run.objects.filter(republish_count=0).exists() and len(passes) < 10:
+        passes.append(reconcile_run_once(now=NOW, config=config, queue_depth=depth).republished)
+    assert max(passes) <= 5  # no pass looked past its window
+    assert sum(passes) == len(runs) and len(passes) <= 3, passes
+    assert depths and not any(depths)  # the broker is asked outside any transaction
