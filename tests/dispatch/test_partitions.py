@@ -327,3 +327,28 @@ def test_a_replica_that_still_renews_its_membership_keeps_its_session(make_job):
     )
     result = partitions_run_once(now=db_now(), config=config("a", partitions=4))
     assert (result.acquired, result.sessions_ended) == (2, 0)  # a's share of two replicas
+
+
+@pytest.mark.django_db
+def test_a_refusal_to_end_a_gone_replicas_session_costs_no_lease(monkeypatch):
+    """Schedulers on database roles without pg_signal_backend: pg_terminate_backend is
+    refused (stood in for here, since the tests' role is a superuser); the pass still
+    renews and takes over, it only leaves the frozen session alone."""
+    import dispatch.partitions
+
+    once("a", at(0), partitions=4)
+    once("b", at(0), partitions=4)
+    once("a", at(0), partitions=4)  # hands b its half
+    assert holdings(at(0)) == {"a": 2, "b": 2}
+    SchedulerReplica.objects.filter(holder="b").update(
+        session_pid=1, session_started_at=at(0), expires_at=at(1)
+    )
+    PartitionLease.objects.filter(holder="b").update(expires_at=at(1))  # b froze at once
+
+    def refused(cursor, **_):
+        cursor.execute("SELECT 1/0")  # a real error of the database, in the pass's cursor
+
+    monkeypatch.setattr(dispatch.partitions, "_sessions_terminate", refused)
+    result = once("a", at(5), partitions=4)
+    assert (result.renewed, result.acquired, result.sessions_ended) == (2, 2, 0)
+    assert holdings(at(5)) == {"a": 4}
