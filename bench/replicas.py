@@ -139,7 +139,8 @@ def scheduler_floor(count: int) -> dict:
     t = table_names()
     sql = f"""
         WITH due AS (
-            SELECT job.id, job.next_run_at AS at, version.id AS version_id, version.spec
+            SELECT job.id, job.next_run_at AS at, version.id AS version_id, version.spec,
+                   job.owner_id
               FROM {t["job"]} AS job
               JOIN {t["version"]} AS version
                 ON version.job_id = job.id AND version.version = job.version
@@ -158,10 +159,10 @@ def scheduler_floor(count: int) -> dict:
             RETURNING id, job_id
         ), outbox AS (
             INSERT INTO {t["outbox"]} (run_id, message_id, task_name, queue, priority,
-                   timeout_seconds, state, created_at, publish_tries, last_error)
+                   timeout_seconds, state, created_at, publish_tries, last_error, owner_id)
             SELECT run.id, gen_random_uuid(), due.spec ->> 'task', due.spec ->> 'queue',
                    (due.spec ->> 'priority')::int, (due.spec ->> 'timeout_seconds')::int,
-                   'pending', now(), 0, ''
+                   'pending', now(), 0, '', due.owner_id
               FROM run JOIN due ON due.id = run.job_id
         ), advanced AS (
             UPDATE {t["job"]} AS job SET next_run_at = NULL FROM due WHERE job.id = due.id
@@ -255,15 +256,17 @@ def promoter_floor(count: int) -> dict:
         ), released AS (
             UPDATE {t["run"]} AS run SET state = 'queued', updated_at = now()
               FROM due WHERE run.id = due.id
-            RETURNING run.id, run.job_version_id
+            RETURNING run.id, run.job_version_id, run.job_id
         ), outbox AS (
             INSERT INTO {t["outbox"]} (run_id, message_id, task_name, queue, priority,
-                   timeout_seconds, state, created_at, publish_tries, last_error)
+                   timeout_seconds, state, created_at, publish_tries, last_error, owner_id)
             SELECT released.id, gen_random_uuid(), version.spec ->> 'task',
                    version.spec ->> 'queue', (version.spec ->> 'priority')::int,
-                   (version.spec ->> 'timeout_seconds')::int, 'pending', now(), 0, ''
+                   (version.spec ->> 'timeout_seconds')::int, 'pending', now(), 0, '',
+                   job.owner_id
               FROM released JOIN {t["version"]} AS version
                 ON version.id = released.job_version_id
+              JOIN {t["job"]} AS job ON job.id = released.job_id
         )
         SELECT count(*) FROM released
     """
