@@ -5,9 +5,11 @@ audit events). Run logs are logs_app's (`logs_app.retention.run_logs_delete`); t
 
 A run may go once it is terminal and finished before the cutoff, and nothing needs it:
 - no attempt of it is still running (a cancel that the worker has not seen yet);
-- it is not among the newest `pause_after_failures` (at least one) terminal runs of a job
-  that may run again (active or paused, not deleted): that policy judges the job's latest
-  finished runs, and the API shows a job's last run whatever its age.
+- of a job that may run again (active or paused, not deleted), it is neither among the
+  newest `pause_after_failures` failed or succeeded runs by `finished_at` (what that policy
+  judges, jobs.services.LATEST_FINISHED: skipped and cancelled runs do not count there, so
+  they do not push a failure out here either) nor the newest terminal run by
+  `scheduled_for` (the API shows a job's last run whatever its age).
 Runs that are not terminal (pending, queued, running, retry_wait: a retry is an attempt of
 the same run) are never candidates. Job rows, their versions and their own audit events
 (not a run's) stay: they grow with a job's edits, not with its runs.
@@ -29,6 +31,7 @@ from .models import (
     JobState,
     OutboxMessage,
     Run,
+    RunState,
 )
 from .transitions import TERMINAL_RUN_STATES
 
@@ -43,14 +46,19 @@ MAY_RUN_AGAIN = _sql_in({JobState.ACTIVE, JobState.PAUSED})
 # How many of a job's newest terminal runs its policies need (validation: 1..1000 or null).
 KEEP_NEWEST = "COALESCE(CAST(j.spec ->> 'pause_after_failures' AS integer), 1)"
 
+JUDGED = _sql_in({RunState.FAILED, RunState.SUCCEEDED})
+# A job's failed or succeeded runs that finished after r (run_job_finished_idx).
+NEWER_JUDGED = f"""SELECT 1 FROM {Run._meta.db_table} n
+                    WHERE n.job_id = r.job_id AND n.state IN {JUDGED}
+                      AND (n.finished_at, n.id) > (r.finished_at, r.id)"""
 NEWER_TERMINAL = f"""SELECT 1 FROM {Run._meta.db_table} n
-                     WHERE n.job_id = r.job_id AND n.scheduled_for > r.scheduled_for
-                       AND n.state IN {TERMINAL}"""
+                      WHERE n.job_id = r.job_id AND n.scheduled_for > r.scheduled_for
+                        AND n.state IN {TERMINAL}"""
 # PostgreSQL stops counting a job's newer runs at the number it keeps (an index walk of a
 # few rows); SQLite cannot limit by an outer column, and counts them (embedded: small).
 KEPT = {
-    "postgresql": f"(SELECT count(*) FROM ({NEWER_TERMINAL} LIMIT {KEEP_NEWEST}) AS newer)",
-    "sqlite": f"(SELECT count(*) FROM ({NEWER_TERMINAL}) AS newer)",
+    "postgresql": f"(SELECT count(*) FROM ({NEWER_JUDGED} LIMIT {KEEP_NEWEST}) AS newer)",
+    "sqlite": f"(SELECT count(*) FROM ({NEWER_JUDGED}) AS newer)",
 }
 EXPIRED_RUNS = f"""
 SELECT r.id FROM {Run._meta.db_table} r JOIN {Job._meta.db_table} j ON j.id = r.job_id
@@ -58,7 +66,8 @@ SELECT r.id FROM {Run._meta.db_table} r JOIN {Job._meta.db_table} j ON j.id = r.
    AND NOT EXISTS (SELECT 1 FROM {Attempt._meta.db_table} a
                     WHERE a.run_id = r.id AND a.state = '{AttemptState.RUNNING}')
    AND NOT (j.state IN {MAY_RUN_AGAIN} AND j.deleted_at IS NULL
-            AND {{kept}} < {KEEP_NEWEST})
+            AND ((r.state IN {JUDGED} AND {{kept}} < {KEEP_NEWEST})
+                 OR NOT EXISTS ({NEWER_TERMINAL})))
  ORDER BY r.finished_at
  LIMIT %(limit)s"""
 

@@ -149,6 +149,23 @@ def test_the_newest_runs_a_job_may_still_need_are_kept(user):
 
 
 @pytest.mark.django_db
+def test_skipped_and_cancelled_runs_never_push_a_failure_its_policy_still_counts(user):
+    """pause_after_failures counts failed and succeeded runs only (jobs.services): a
+    monthly job's old failure stays while newer runs were only skipped or cancelled, so
+    the next failure still pauses the job as it would have without pruning."""
+    job = make_job(user, now=NOW - 200 * DAY, pause_after_failures=2)
+    (failure,) = finished_runs(job, user, NOW - 90 * DAY)
+    cancelled = finished_runs(job, user, NOW - 60 * DAY, state=RunState.CANCELLED)
+    (skipped,) = finished_runs(job, user, NOW - 35 * DAY, state=RunState.SKIPPED)
+
+    pruner_run_once(now=NOW, config=KEEP_30_DAYS)
+
+    assert exists(failure)  # still one of the job's last two judged runs
+    assert exists(skipped)  # the job's newest run, which the API shows
+    assert not exists(cancelled[0])  # neither: it goes
+
+
+@pytest.mark.django_db
 def test_runs_go_in_bounded_batches_oldest_first(user):
     job = make_job(user, now=NOW - 60 * DAY)
     runs = finished_runs(job, user, *(NOW - (40 - n) * DAY for n in range(8)))
