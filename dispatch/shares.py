@@ -32,6 +32,8 @@ from django.db.models import Count
 
 from jobs.models import ActiveRun, OutboxMessage, OutboxState, OwnerLimit, RunState
 
+# Queues one relay step (or reconciliation pass) looks at, each a question to the broker.
+MAX_QUEUES = 1000
 MAX_OWNERS = 1000  # owners of one queue sharing one step; the next step starts after them
 ROUNDS = 3  # rounds in which an unused share goes to the other owners
 # The advisory lock space of owners' limits (pg_try_advisory_xact_lock(space, key)).
