@@ -287,16 +287,15 @@ def _alarm_stuck_outbox(
     queue at its high-water mark, or its owner at its limit of active runs) is only noted;
     any other raises the ERROR. Returns (stuck rows, held rows), of the oldest STUCK_ROWS."""
     cutoff = now - dt.timedelta(seconds=config.outbox_alarm_after_seconds)
-    oldest = (
-        OutboxMessage.objects.filter(state=OutboxState.PENDING, created_at__lt=cutoff)
-        .order_by("created_at")
-        .values("id")[:STUCK_ROWS]
-    )  # outbox_pending_age_idx
     groups = list(
-        OutboxMessage.objects.filter(id__in=Subquery(oldest))
+        OutboxMessage.objects.filter(id__in=Subquery(_oldest_stuck(cutoff)))
         .values("queue", "owner_id")
-        .annotate(rows=Count("id"), tries=Max("publish_tries"), error=Max("last_error"),
-                  since=Min("created_at"))  # fmt: skip
+        .annotate(
+            rows=Count("id"),
+            tries=Max("publish_tries"),
+            error=Max("last_error"),
+            since=Min("created_at"),
+        )  # fmt: skip
         .order_by("since")
     )
     if not groups:
@@ -332,6 +331,13 @@ def _alarm_stuck_outbox(
         worst["error"][:300],
     )
     return stuck, held
+
+
+def _oldest_stuck(cutoff: dt.datetime):
+    """The ids of the oldest STUCK_ROWS rows pending since before `cutoff`, read from
+    outbox_pending_age_idx, never the whole backlog."""
+    stuck = OutboxMessage.objects.filter(state=OutboxState.PENDING, created_at__lt=cutoff)
+    return stuck.order_by("created_at").values("id")[:STUCK_ROWS]
 
 
 def _held_back(

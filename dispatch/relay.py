@@ -435,7 +435,6 @@ def relay_sleep(result: RelayResult, config: RelayConfig) -> float:
     return 0.0 if result.published else config.poll_interval
 
 
-
 def _room(queue: str, *, config: RelayConfig, publisher: ConfirmingPublisher) -> float:
     """How many messages the queue takes before its high-water mark (infinite without a
     mark, or where the broker cannot count them)."""
