@@ -173,10 +173,11 @@ def _window(*, now: dt.datetime, config: ReconcileConfig) -> list:
 
 def _latest_claimed_creations(queues: list[str]) -> dict[str, dt.datetime]:
     """For each queue, the latest creation of a run that a worker claimed among the last
-    RECENT_CLAIMS claims. A run is created no later than it is queued, and a run's row
-    waits in the outbox only by design (its queue at its mark, its owner at its limit: its
-    `updated_at` is then stamped at publication), so a run claimed from a queue that was
-    created well after another run was queued there was published after it."""
+    RECENT_CLAIMS claims. A run is published no earlier than it is created, whatever order
+    the relays take (priority, owners' shares, backpressure), and a queued run's
+    `updated_at` is its publication (within seconds; a row held back in the outbox has it
+    stamped when published, runs_stamp_published_late), so a run claimed from a queue that
+    was created well after another run's `updated_at` there was published after it."""
     recent = Attempt.objects.order_by("-id").values("run_id")[:RECENT_CLAIMS]
     rows = (
         Run.objects.filter(id__in=Subquery(recent))
@@ -194,8 +195,8 @@ def _republish_lost_messages(
 ) -> tuple[int, int]:
     """A published, unclaimed run is lost when its queue holds no ready message (it cannot
     be waiting in line), or when a worker claimed from its queue a run created more than
-    the wait after this one was queued (RabbitMQ queues are first in, first out, and the
-    relays publish in the outbox's order: it should have come first). Both sides are
+    the wait after this one was queued (RabbitMQ queues are first in, first out, and a run
+    is never published before it is created: this one should have come first). Both sides are
     queue-side times, not publication times, so a backlog published late after a relay or
     broker outage is not mistaken for lost: its runs were all queued before the ones that
     are claimed first. The evidence is gathered outside any transaction (the broker's queue depths

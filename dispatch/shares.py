@@ -10,7 +10,9 @@ An owner at its limit (SCHEDULER_OWNER_MAX_ACTIVE_RUNS, or an operator's OwnerLi
 its rows passed over, holding back no one else. What counts against the limit: the
 owner's runs that a relay published while the owner was limited (ActiveRun) and that
 are still `queued` (in the broker, or in a worker's prefetch) or `running`. Rows still in
-the outbox, runs waiting for a retry and finished runs do not count. Relays claiming
+the outbox, runs waiting for a retry and finished runs do not count: a run given a new
+outbox row (retry, replay, republication) loses its ActiveRun row in the statement that
+writes it (jobs.outbox.outbox_enqueue_runs). Relays claiming
 for the same limited owner at once are serialized by a transaction-scoped advisory lock
 per owner (the one that does not get it passes the owner over this step), so the limit
 holds with any number of relays.
