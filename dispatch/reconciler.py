@@ -30,7 +30,7 @@ import random
 from collections.abc import Callable
 
 from django.db import transaction
-from django.db.models import Exists, Max, Min, OuterRef, Q, Subquery
+from django.db.models import Count, Exists, Max, Min, OuterRef, Q, Subquery
 from kombu import Connection
 
 from jobs.audit import audit_record
@@ -50,7 +50,7 @@ from jobs.transitions import run_count_republish, run_end_orphan, run_give_up
 
 from .config import config_require
 from .loop import BROKER_ERRORS
-from .shares import owner_at_limit
+from .shares import MAX_QUEUES, owner_at_limit
 
 log = logging.getLogger("dispatch.reconciler")
 
@@ -59,7 +59,11 @@ QueueDepth = Callable[[str], "int | None"]
 
 
 BACKOFF_STEPS = 6  # the wait before a re-publication doubles up to 2**6 times
-MAX_QUEUES = 1000  # queue depths asked per pass
+# The stuck-outbox alarm reads at most the oldest STUCK_ROWS stuck rows, and judges at most
+# STUCK_GROUPS of their (queue, owner) groups, oldest first: bounded however long the
+# backlog that backpressure and owners' limits keep on purpose.
+STUCK_ROWS = 10_000
+STUCK_GROUPS = 100
 RECENT_CLAIMS = 1000  # the claims read for messages delivered after a lost one
 
 
@@ -169,9 +173,11 @@ def _window(*, now: dt.datetime, config: ReconcileConfig) -> list:
 
 def _latest_claimed_creations(queues: list[str]) -> dict[str, dt.datetime]:
     """For each queue, the latest creation of a run that a worker claimed among the last
-    RECENT_CLAIMS claims. A run is created no later than it is queued, and the relays
-    publish outbox rows in the order they were written, so a run claimed from a queue that
-    was created well after another run was queued there was published after it."""
+    RECENT_CLAIMS claims. A run is published no earlier than it is created, whatever order
+    the relays take (priority, owners' shares, backpressure), and a queued run's
+    `updated_at` is its publication (within seconds; a row held back in the outbox has it
+    stamped when published, runs_stamp_published_late), so a run claimed from a queue that
+    was created well after another run's `updated_at` there was published after it."""
     recent = Attempt.objects.order_by("-id").values("run_id")[:RECENT_CLAIMS]
     rows = (
         Run.objects.filter(id__in=Subquery(recent))
@@ -189,8 +195,8 @@ def _republish_lost_messages(
 ) -> tuple[int, int]:
     """A published, unclaimed run is lost when its queue holds no ready message (it cannot
     be waiting in line), or when a worker claimed from its queue a run created more than
-    the wait after this one was queued (RabbitMQ queues are first in, first out, and the
-    relays publish in the outbox's order: it should have come first). Both sides are
+    the wait after this one was queued (RabbitMQ queues are first in, first out, and a run
+    is never published before it is created: this one should have come first). Both sides are
     queue-side times, not publication times, so a backlog published late after a relay or
     broker outage is not mistaken for lost: its runs were all queued before the ones that
     are claimed first. The evidence is gathered outside any transaction (the broker's queue depths
@@ -278,42 +284,79 @@ def _alarm_stuck_outbox(
 ) -> tuple[int, int]:
     """Pending rows older than the alarm threshold: logged at ERROR (and so to Sentry), and
     exported as scheduler_outbox_oldest_pending_seconds; the relay keeps retrying them.
-    When the relay never failed on them and the oldest waits by design (its queue at its
-    high-water mark, or its owner at its limit of active runs), only noted: (stuck, held)."""
-    stuck = OutboxMessage.objects.filter(
-        state=OutboxState.PENDING,
-        created_at__lt=now - dt.timedelta(seconds=config.outbox_alarm_after_seconds),
+    Judged per (queue, owner): a group the relay never failed on that waits by design (its
+    queue at its high-water mark, or its owner at its limit of active runs) is only noted;
+    any other raises the ERROR. Returns (stuck rows, held rows), of the oldest STUCK_ROWS."""
+    cutoff = now - dt.timedelta(seconds=config.outbox_alarm_after_seconds)
+    groups = list(
+        OutboxMessage.objects.filter(id__in=Subquery(_oldest_stuck(cutoff)))
+        .values("queue", "owner_id")
+        .annotate(
+            rows=Count("id"),
+            tries=Max("publish_tries"),
+            error=Max("last_error"),
+            since=Min("created_at"),
+        )  # fmt: skip
+        .order_by("since")
     )
-    count = stuck.count()
-    if not count:
+    if not groups:
         return 0, 0
-    worst = (
-        stuck.order_by("created_at")
-        .values("queue", "owner_id", "publish_tries", "last_error")
-        .first()
-    )
-    if not stuck.filter(publish_tries__gt=0).exists() and _held_back(worst, config, queue_depth):
-        log.info("%d outbox rows waiting for over %.0fs: held back by backpressure or an "
-                 "owner's limit", count, config.outbox_alarm_after_seconds)  # fmt: skip
-        return 0, count
+    depths: dict[str, int | None] = {}
+    at_limit: dict[object, bool] = {}
+    stuck_groups, stuck, held = [], 0, 0
+    for index, group in enumerate(groups):
+        # Groups past STUCK_GROUPS are not judged: the oldest ones decide.
+        if index < STUCK_GROUPS and (
+            group["tries"] or not _held_back(group, config, queue_depth, depths, at_limit)
+        ):
+            stuck_groups.append(group)
+            stuck += group["rows"]
+        else:
+            held += group["rows"]
+    total = f"{stuck + held}{'+' if stuck + held >= STUCK_ROWS else ''}"
+    if not stuck_groups:
+        log.info("%s outbox rows waiting for over %.0fs: held back by backpressure or an "
+                 "owner's limit", total, config.outbox_alarm_after_seconds)  # fmt: skip
+        return 0, held
+    worst = stuck_groups[0]
     log.error(
-        "%d outbox rows pending for over %.0fs (tries %s, last error %s)",
-        count,
+        "%d outbox rows pending for over %.0fs (of %s; %d queue/owner groups not held back; "
+        "the oldest: queue %s, owner %s, tries %s, last error %s)",
+        stuck,
         config.outbox_alarm_after_seconds,
-        worst["publish_tries"],
-        worst["last_error"][:300],
+        total,
+        len(stuck_groups),
+        worst["queue"],
+        worst["owner_id"],
+        worst["tries"],
+        worst["error"][:300],
     )
-    return count, 0
+    return stuck, held
 
 
-def _held_back(row: dict, config: ReconcileConfig, queue_depth: QueueDepth) -> bool:
-    """Whether the relays hold this row back on purpose: its queue is at its high-water
-    mark, or its owner has its limit of runs in the broker or running."""
+def _oldest_stuck(cutoff: dt.datetime):
+    """The ids of the oldest STUCK_ROWS rows pending since before `cutoff`, read from
+    outbox_pending_age_idx, never the whole backlog."""
+    stuck = OutboxMessage.objects.filter(state=OutboxState.PENDING, created_at__lt=cutoff)
+    return stuck.order_by("created_at").values("id")[:STUCK_ROWS]
+
+
+def _held_back(
+    group: dict, config: ReconcileConfig, queue_depth: QueueDepth, depths: dict, at_limit: dict
+) -> bool:
+    """Whether the relays hold this (queue, owner)'s rows back on purpose: its queue is at
+    its high-water mark, or its owner has its limit of runs in the broker or running. The
+    broker is asked once per queue and pass (`depths`), an owner's limit read once
+    (`at_limit`)."""
+    queue, owner = group["queue"], group["owner_id"]
     if config.queue_high_water is not None:
-        depth = queue_depth(row["queue"])
-        if depth is not None and depth >= config.queue_high_water:
+        if queue not in depths:
+            depths[queue] = queue_depth(queue) if len(depths) < MAX_QUEUES else None
+        if depths[queue] is not None and depths[queue] >= config.queue_high_water:
             return True
-    return owner_at_limit(row["owner_id"], default_limit=config.owner_max_active_runs)
+    if owner not in at_limit:
+        at_limit[owner] = owner_at_limit(owner, default_limit=config.owner_max_active_runs)
+    return at_limit[owner]
 
 
 class BrokerQueueDepth:

@@ -51,7 +51,7 @@ from .failpoints import failpoint
 from .loop import BROKER_ERRORS
 from .packing import outbox_packs, pack_time_limit
 from .runtime import HARD_TIME_LIMIT_GRACE, PACK_RUN_GRACE_SECONDS
-from .shares import OwnerTurns, allowances, claim_shares
+from .shares import MAX_QUEUES, OwnerTurns, allowances, claim_shares
 
 log = logging.getLogger("dispatch.relay")
 # Placeholders of the exact length of what replaces them (a UUID's 36 characters; an
@@ -433,9 +433,6 @@ def relay_sleep(result: RelayResult, config: RelayConfig) -> float:
     if result.held_back:
         return config.held_poll_interval
     return 0.0 if result.published else config.poll_interval
-
-
-MAX_QUEUES = 1000  # queues looked at per step
 
 
 def _room(queue: str, *, config: RelayConfig, publisher: ConfirmingPublisher) -> float:

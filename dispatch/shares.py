@@ -10,7 +10,9 @@ An owner at its limit (SCHEDULER_OWNER_MAX_ACTIVE_RUNS, or an operator's OwnerLi
 its rows passed over, holding back no one else. What counts against the limit: the
 owner's runs that a relay published while the owner was limited (ActiveRun) and that
 are still `queued` (in the broker, or in a worker's prefetch) or `running`. Rows still in
-the outbox, runs waiting for a retry and finished runs do not count. Relays claiming
+the outbox, runs waiting for a retry and finished runs do not count: a run given a new
+outbox row (retry, replay, republication) loses its ActiveRun row in the statement that
+writes it (jobs.outbox.outbox_enqueue_runs). Relays claiming
 for the same limited owner at once are serialized by a transaction-scoped advisory lock
 per owner (the one that does not get it passes the owner over this step), so the limit
 holds with any number of relays.
@@ -32,6 +34,8 @@ from django.db.models import Count
 
 from jobs.models import ActiveRun, OutboxMessage, OutboxState, OwnerLimit, RunState
 
+# Queues one relay step (or reconciliation pass) looks at, each a question to the broker.
+MAX_QUEUES = 1000
 MAX_OWNERS = 1000  # owners of one queue sharing one step; the next step starts after them
 ROUNDS = 3  # rounds in which an unused share goes to the other owners
 # The advisory lock space of owners' limits (pg_try_advisory_xact_lock(space, key)).

@@ -20,6 +20,7 @@ from .models import (
     Effect,
     Job,
     OutboxMessage,
+    OutboxState,
     OwnerLimit,
     Run,
     RunState,
@@ -186,6 +187,9 @@ class OutboxMessageAdmin(ReadOnlyAdmin):
     list_filter = ("queue",)
 
 
+WAITING_RUNS_SHOWN = 1000  # an owner's waiting runs counted up to this in the limits' list
+
+
 @admin.register(OwnerLimit)
 class OwnerLimitAdmin(admin.ModelAdmin):
     """An owner's own limit of runs in the broker or running at once, instead of
@@ -212,7 +216,10 @@ class OwnerLimitAdmin(admin.ModelAdmin):
 
     @admin.display(description="waiting to be published")
     def waiting_runs(self, limit):
-        return OutboxMessage.objects.filter(owner_id=limit.owner_id).count()
+        # Counted up to a cap: an owner's backlog waiting on purpose may be very long.
+        waiting = OutboxMessage.objects.filter(owner_id=limit.owner_id, state=OutboxState.PENDING)
+        count = waiting[: WAITING_RUNS_SHOWN + 1].count()
+        return f"{WAITING_RUNS_SHOWN}+" if count > WAITING_RUNS_SHOWN else count
 
     def save_model(self, request, obj, form, change):
         super().save_model(request, obj, form, change)

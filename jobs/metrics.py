@@ -86,9 +86,16 @@ def oldest_overdue_seconds(*, now: dt.datetime, oldest_pending: dt.datetime | No
 
 
 def _oldest_pending_outbox() -> dt.datetime | None:
-    return OutboxMessage.objects.filter(state=OutboxState.PENDING).aggregate(at=Min("created_at"))[
-        "at"
-    ]
+    """One probe of outbox_pending_age_idx, however long the backlog."""
+    return oldest_pending_outbox().first()
+
+
+def oldest_pending_outbox():
+    return (
+        OutboxMessage.objects.filter(state=OutboxState.PENDING)
+        .order_by("created_at")
+        .values_list("created_at", flat=True)
+    )
 
 
 def _histograms() -> dict[str, tuple[list[tuple[str, float]], float]]:

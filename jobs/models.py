@@ -7,6 +7,7 @@ State changes never happen here: `jobs.transitions` owns every one of them.
 import uuid
 
 from django.conf import settings
+from django.core.validators import MinValueValidator
 from django.db import models
 from django.db.models import Q
 from django.db.models.functions import Now
@@ -373,6 +374,11 @@ class OutboxMessage(models.Model):
                 name="outbox_pending_idx",
                 condition=Q(state="pending"),
             ),
+            # The oldest pending rows, for the stuck-outbox alarm and the metrics' oldest
+            # pending age, without reading the backlog backpressure keeps on purpose.
+            models.Index(
+                fields=["created_at"], name="outbox_pending_age_idx", condition=Q(state="pending")
+            ),
         ]
 
     def __str__(self) -> str:
@@ -391,7 +397,10 @@ class OwnerLimit(models.Model):
     max_active_runs = models.PositiveIntegerField(
         null=True,
         blank=True,
-        help_text="Runs of this owner in the broker or running at once; empty: unlimited.",
+        # 0 would hold the owner's runs back forever with nothing to show why: at least 1.
+        validators=[MinValueValidator(1)],
+        help_text="Runs of this owner in the broker or running at once (at least 1); "
+        "empty: unlimited.",
     )
     updated_at = models.DateTimeField(auto_now=True)
 
@@ -403,7 +412,8 @@ class ActiveRun(models.Model):
     """A run of a limited owner that the relay published: it counts against the owner's
     limit while the run is `queued` or `running`. The relay writes it with the publication
     and deletes those of finished runs before it counts an owner's (no trigger, nothing on
-    the worker's path)."""
+    the worker's path); a run given a new outbox row loses its row then
+    (jobs.outbox.outbox_enqueue_runs)."""
 
     run = models.OneToOneField(Run, on_delete=models.CASCADE, primary_key=True, related_name="+")
     owner = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="+")

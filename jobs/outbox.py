@@ -13,7 +13,7 @@ from django.db.models.fields.json import KeyTextTransform
 from django.db.models.functions import Concat
 
 from .lanes import LANES, lane_queue
-from .models import Job, OutboxMessage, OutboxState, Run
+from .models import ActiveRun, Job, OutboxMessage, OutboxState, Run
 from .notify import CHANNEL_OUTBOX, notify
 from .redaction import redact
 
@@ -34,11 +34,17 @@ def run_lane_queue():
 def outbox_enqueue_runs(*, runs: list[Run], now: dt.datetime) -> int:
     """One task message per run (`run.job_version` must be loaded), in one INSERT, to the
     lane of the run's kind (jobs.lanes); the relays are woken when the transaction commits.
-    Returns the rows written."""
+    Returns the rows written.
+
+    Every run queued again (retry, replay, reconciliation's republication) passes through
+    here, and its ActiveRun row goes in the same statement: the run waits in the outbox
+    again, and counting it against its owner's limit would hold back its own publication
+    (dispatch.shares). The relay counts it again when it publishes it."""
     if not runs:
         return 0
     specs = [run.job_version.spec for run in runs]
     if connection.vendor != "postgresql":
+        ActiveRun.objects.filter(run_id__in=[run.id for run in runs]).delete()
         owners = dict(
             Job.objects.filter(id__in={run.job_id for run in runs}).values_list("id", "owner_id")
         )
@@ -64,9 +70,15 @@ def outbox_enqueue_runs(*, runs: list[Run], now: dt.datetime) -> int:
          "priority": spec["priority"], "timeout_seconds": spec.get("timeout_seconds")}
         for run, spec in zip(runs, specs, strict=True)
     ]  # fmt: skip
+    document = json.dumps(rows)
     with connection.cursor() as cursor:
         cursor.execute(
             f"""
+            WITH uncounted AS (
+                DELETE FROM {ActiveRun._meta.db_table}
+                 WHERE run_id IN (SELECT (message ->> 'run_id')::uuid
+                                    FROM jsonb_array_elements(%s::jsonb) AS message)
+            )
             INSERT INTO {OutboxMessage._meta.db_table}
                    (run_id, owner_id, message_id, task_name, queue, priority, timeout_seconds,
                     state, created_at, publish_tries, last_error)
@@ -77,7 +89,7 @@ def outbox_enqueue_runs(*, runs: list[Run], now: dt.datetime) -> int:
                               priority int, timeout_seconds int)
               JOIN {Job._meta.db_table} AS job ON job.id = message.job_id
             """,
-            [OutboxState.PENDING, now, json.dumps(rows)],
+            [document, OutboxState.PENDING, now, document],
         )
         written = cursor.rowcount
     notify(CHANNEL_OUTBOX)

@@ -15,8 +15,9 @@ from django.db import connection, transaction
 
 from dispatch.completer import _awaiting, _finished
 from dispatch.materializer import active_scheduled_runs
-from dispatch.reconciler import ReconcileConfig, _window, reconcile_run_once
+from dispatch.reconciler import ReconcileConfig, _oldest_stuck, _window, reconcile_run_once
 from dispatch.scheduler import SchedulerConfig, scheduler_run_once
+from jobs.metrics import oldest_pending_outbox
 from jobs.models import Job, JobVersion, Run, RunState
 from jobs.services import LATEST_FINISHED
 from tests.factories import make_job, publish
@@ -86,6 +87,15 @@ def test_reconciliation_reads_its_window_from_the_queued_runs_index():
     queued = Run.objects.filter(state=RunState.QUEUED, updated_at__lt=NOW, updated_at__gte=NOW)
     text = queryset_plan(queued.order_by("updated_at").values_list("id", flat=True)[:2000])
     assert "run_queued_idx" in text, text
+
+
+def test_the_stuck_outbox_alarm_and_metrics_read_the_oldest_pending_rows_by_index():
+    """The backlog backpressure keeps on purpose may be long: the alarm's oldest stuck rows
+    and /metrics' oldest pending row come from outbox_pending_age_idx, not a scan of it."""
+    text = queryset_plan(_oldest_stuck(NOW))
+    assert "outbox_pending_age_idx" in text and "Limit" in text, text
+    text = queryset_plan(oldest_pending_outbox()[:1])
+    assert "outbox_pending_age_idx" in text and "Limit" in text, text
 
 
 def lost_runs(user, count: int) -> list[Run]:

@@ -189,6 +189,32 @@ def test_a_row_held_back_by_a_full_queue_or_an_owner_s_limit_is_not_alarmed(
     assert len(errors()) == 2
 
 
+def test_rows_held_back_do_not_hide_other_queues_stuck_rows(queued_run, caplog):
+    """The oldest row waits on purpose (its queue at its mark); a younger row of another
+    queue, whose wait nothing explains (a dead relay), still raises the ERROR."""
+    import logging
+
+    caplog.set_level(logging.INFO, logger="dispatch.reconciler")
+    queued_run(created=NOW - dt.timedelta(hours=2))  # queue `jobs`, the oldest
+    queued_run(created=NOW - dt.timedelta(hours=1), queue="other")
+    full = dataclasses.replace(CONFIG, queue_high_water=10)
+
+    def errors() -> list[str]:
+        return [r.message for r in caplog.records if r.levelno >= logging.ERROR]
+
+    depths = {"jobs": 10, "other": 0}
+    assert reconcile_run_once(now=NOW, config=full, queue_depth=depths.get) == (
+        ReconcileResult(outbox_stuck=1, outbox_held_back=1)
+    )
+    assert len(errors()) == 1
+    # Both queues at their mark: both rows wait on purpose, no ERROR.
+    depths["other"] = 10
+    assert reconcile_run_once(now=NOW, config=full, queue_depth=depths.get) == (
+        ReconcileResult(outbox_held_back=2)
+    )
+    assert len(errors()) == 1
+
+
 def test_after_max_republish_tries_the_run_fails_as_undeliverable(queued_run, user):
     config = ReconcileConfig(queued_after_seconds=THRESHOLD, max_republish=2)
     run = queued_run()

@@ -9,10 +9,14 @@ import pytest
 from django.conf import settings
 from django.db import connection
 
+from dispatch.promoter import PromoterConfig, promoter_run_once
+from dispatch.reconciler import ReconcileConfig, reconcile_run_once
 from dispatch.relay import ConfirmingPublisher, RelayConfig, relay_run_once
 from dispatch.scheduler import SchedulerConfig, scheduler_run_once
 from dispatch.shares import LIMIT_LOCK_SPACE, OwnerTurns, shares
-from jobs.models import ActiveRun, OutboxMessage, OwnerLimit, Run, RunState
+from jobs.models import ActiveRun, FailureReason, OutboxMessage, OwnerLimit, Run, RunState
+from jobs.services import run_replay_request
+from jobs.transitions import run_give_up
 from tests.dispatch.test_relay import _drain_queue
 from tests.processes import purge_queue
 
@@ -132,3 +136,57 @@ def test_an_owner_another_relay_is_claiming_for_is_passed_over(make_job, user, o
         assert (result.published, result.held_back) == (1, 1)
         assert list(OutboxMessage.objects.values_list("owner_id", flat=True)) == [user.id]
     assert relay().published == 1
+
+
+def _published_again(relay, run) -> bool:
+    """Three relay steps: whether the run's new outbox row went out."""
+    for _ in range(3):
+        relay()
+    return not OutboxMessage.objects.filter(run=run).exists()
+
+
+def _owner_s_published_run(make_job, user, relay) -> Run:
+    """The one run of an owner limited to one active run, published: it counts."""
+    OwnerLimit.objects.create(owner=user, max_active_runs=1)
+    make_job(owner=user, **DUE)
+    scheduler_run_once(now=NOW, config=SchedulerConfig())
+    assert relay().published == 1
+    run = Run.objects.get(job__owner=user)
+    assert ActiveRun.objects.filter(run=run).exists()
+    return run
+
+
+def test_a_run_republished_by_reconciliation_does_not_count_against_its_own_publication(
+    make_job, user, relay
+):
+    """Its message lost in the broker, the run never leaves `queued`: reconciliation writes
+    a new outbox row, which the owner's limit (reached by that very run) must not hold."""
+    run = _owner_s_published_run(make_job, user, relay)
+    purge_queue()  # the message is lost
+    later = NOW + dt.timedelta(minutes=10)
+    result = reconcile_run_once(
+        now=later, config=ReconcileConfig(queued_after_seconds=60), queue_depth=lambda _: 0
+    )
+    assert result.republished == 1
+    assert not ActiveRun.objects.filter(run=run).exists()
+    assert _published_again(relay, run)
+    assert ActiveRun.objects.filter(run=run).exists()  # counted again, once
+
+
+def test_a_retried_run_does_not_count_against_its_own_publication(make_job, user, relay):
+    """A run waiting for its retry is promoted back to `queued` with a new outbox row before
+    any relay step saw it leave `queued`: its old count must not hold the new row."""
+    run = _owner_s_published_run(make_job, user, relay)
+    purge_queue()
+    Run.objects.filter(id=run.id).update(state=RunState.RETRY_WAIT, next_attempt_at=NOW)
+    assert promoter_run_once(now=NOW, config=PromoterConfig()).retries_queued == 1
+    assert _published_again(relay, run)
+
+
+def test_a_replayed_run_does_not_count_against_its_own_publication(make_job, user, relay):
+    run = _owner_s_published_run(make_job, user, relay)
+    purge_queue()
+    assert run_give_up(run_id=run.id, now=NOW, reason=FailureReason.UNDELIVERABLE)
+    run.refresh_from_db()
+    assert run_replay_request(run=run, actor=user, now=NOW)
+    assert _published_again(relay, run)

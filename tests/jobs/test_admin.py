@@ -58,3 +58,39 @@ def test_operators_set_an_owner_s_limit_and_see_its_active_runs(client, user, op
     staff.user_permissions.set(Permission.objects.filter(codename__endswith="ownerlimit"))
     client.force_login(staff)
     assert client.get("/admin/jobs/ownerlimit/").status_code == 403
+
+
+def test_an_owner_s_limit_is_at_least_one(client, user, operator):
+    """0 would hold the owner's runs back forever with nothing to show why."""
+    from jobs.models import AuditEvent, OwnerLimit
+
+    operator.is_staff = True
+    operator.save()
+    client.force_login(operator)
+    page = client.post("/admin/jobs/ownerlimit/add/", {"owner": user.id, "max_active_runs": 0})
+    assert page.status_code == 200
+    assert "greater than or equal to 1" in page.content.decode()
+    assert not OwnerLimit.objects.exists()
+    assert not AuditEvent.objects.filter(action="owner.limit_set").exists()
+    assert (
+        client.post(
+            "/admin/jobs/ownerlimit/add/", {"owner": user.id, "max_active_runs": 1}
+        ).status_code
+        == 302
+    )
+
+
+def test_an_owner_s_waiting_runs_are_counted_up_to_a_cap(client, user, operator, monkeypatch):
+    from jobs import admin as jobs_admin
+    from jobs.models import OwnerLimit
+    from tests.factories import queued_run
+
+    monkeypatch.setattr(jobs_admin, "WAITING_RUNS_SHOWN", 2)
+    OwnerLimit.objects.create(owner=user, max_active_runs=1)
+    operator.is_staff = True
+    operator.save()
+    client.force_login(operator)
+    for waiting in (1, 2, "2+"):
+        queued_run(user)
+        listing = client.get("/admin/jobs/ownerlimit/").content.decode()
+        assert f'class="field-waiting_runs">{waiting}<' in listing
