@@ -9,16 +9,16 @@ import importlib
 import django.core.validators
 from django.db import migrations, models
 
-# The same online build as 0017's (CREATE INDEX CONCURRENTLY on PostgreSQL: the outbox
+# The same online build as 0018's (CREATE INDEX CONCURRENTLY on PostgreSQL: the outbox
 # takes every run's row, and a plain build would stop its writes until done).
-AddIndexOnline = importlib.import_module("jobs.migrations.0017_retention_and_skew").AddIndexOnline
+AddIndexOnline = importlib.import_module("jobs.migrations.0018_retention_indexes").AddIndexOnline
 
 
 class Migration(migrations.Migration):
     atomic = False  # the concurrent index build; the other operation changes no table
 
     dependencies = [
-        ('jobs', '0017_retention_and_skew'),
+        ('jobs', '0018_retention_indexes'),
     ]
 
     operations = [
