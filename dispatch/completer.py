@@ -2,14 +2,14 @@
 its run, a job past end_at) once none of their runs is active.
 
 On PostgreSQL a job is completed by its last run's own terminal transition: the trigger
-`run_finished_completes_job` (jobs/migrations/0017) completes it in the statement that ends
+`run_ended_completes_job` (jobs/migrations/0017) completes it in the statement that ends
 the run, when its schedule is over and no other run of it is active (its row taken SKIP
 LOCKED: a trigger or backfill holding it leaves it here). This pass is the safety net (two
 runs ending together each seeing the other active, a job past end_at without a run, SQLite
 where there is no trigger): it looks at no more than `scan_size` of the jobs awaiting
-completion (job_awaiting_completion_idx holds only those), from a random point of their
-ids, so a pass costs the same however many one-time runs are in flight, and every job is
-looked at in time.
+completion (job_awaiting_completion_idx holds only those), by id from where the previous
+pass's window ended, so a pass costs the same however many one-time runs are in flight,
+and every job is looked at within ceil(awaiting / scan_size) passes.
 """
 
 from __future__ import annotations
@@ -62,13 +62,19 @@ def _finished(jobs):
     return _awaiting(jobs).exclude(Exists(active))
 
 
+# Where this process's previous window ended (the completer runs in one thread a process).
+_window_end: list[uuid.UUID] = []
+
+
 def _awaiting_window(size: int) -> list:
-    """Up to `size` ids of jobs awaiting completion, from a random id on (wrapping round)."""
-    start = uuid.uuid4()
+    """Up to `size` ids of jobs awaiting completion, by id from where this process's
+    previous window ended (wrapping round): each is looked at within
+    ceil(awaiting / size) passes."""
     ids = _awaiting(Job.objects.all()).order_by("id").values_list("id", flat=True)
-    window = list(ids.filter(id__gte=start)[:size])
+    window = list(ids.filter(id__gt=_window_end[0])[:size]) if _window_end else []
     if len(window) < size:
-        window += ids.filter(id__lt=start)[: size - len(window)]
+        window += [job_id for job_id in ids[: size - len(window)] if job_id not in window]
+    _window_end[:] = window[-1:]
     return window
 
 

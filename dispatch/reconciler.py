@@ -15,10 +15,10 @@ Every repair is one conditional update on rows claimed with FOR UPDATE SKIP LOCK
 number of replicas may run it; no transaction waits on the broker.
 
 A pass costs the same however many runs are queued: it examines a window of at most
-`scan_size` queued runs, read from run_queued_idx alone (queued runs only) starting at a
-random instant between the oldest and the cutoff (wrapping round), and only those are
-checked for a pending outbox row, read for their queue and locked; a lost run behind a
-long backlog of waiting ones is found within a few passes, not at once.
+`scan_size` queued runs, read from run_queued_idx alone (queued runs only), each pass's
+window starting where the previous one ended (wrapping round to the oldest), and only
+those are checked for a pending outbox row, read for their queue and locked; a lost run
+behind a backlog of N queued runs is found within ceil(N / scan_size) passes.
 """
 
 from __future__ import annotations
@@ -26,7 +26,6 @@ from __future__ import annotations
 import dataclasses
 import datetime as dt
 import logging
-import random
 from collections.abc import Callable
 
 from django.db import transaction
@@ -154,21 +153,30 @@ def _published_long_ago(*, now: dt.datetime, config: ReconcileConfig):
     )
 
 
+# Where this process's previous window ended: (updated_at, id) of its last run. Each
+# replica walks the queued runs in turn from there (the reconciler is one thread a process).
+_window_end: list[tuple[dt.datetime, object]] = []
+
+
 def _window(*, now: dt.datetime, config: ReconcileConfig) -> list:
     """The ids of up to `scan_size` runs queued before the cutoff, read from run_queued_idx
-    alone, from a random instant between the oldest of them and the cutoff on (wrapping
-    round): every queued run is examined within a few passes, at a bounded cost each."""
+    alone, in (updated_at, id) order from where this process's previous window ended,
+    wrapping round to the oldest: every queued run is examined within
+    ceil(queued / scan_size) passes, at a bounded cost each, ties on `updated_at` (runs
+    made by one statement) included."""
     cutoff = now - dt.timedelta(seconds=config.queued_after_seconds)
     queued = Run.objects.filter(state=RunState.QUEUED, updated_at__lt=cutoff)
-    oldest = queued.aggregate(at=Min("updated_at"))["at"]
-    if oldest is None:
-        return []
-    start = oldest + (cutoff - oldest) * random.random()
-    ids = queued.order_by("updated_at").values_list("id", flat=True)
-    window = list(ids.filter(updated_at__gte=start)[: config.scan_size])
+    ordered = queued.order_by("updated_at", "id").values_list("updated_at", "id")
+    window = []
+    if _window_end:
+        at, run_id = _window_end[0]
+        after = Q(updated_at__gt=at) | Q(updated_at=at, id__gt=run_id)
+        window = list(ordered.filter(updated_at__gte=at).filter(after)[: config.scan_size])
     if len(window) < config.scan_size:
-        window += ids.filter(updated_at__lt=start)[: config.scan_size - len(window)]
-    return window
+        seen = {run_id for _, run_id in window}
+        window += [row for row in ordered[: config.scan_size - len(window)] if row[1] not in seen]
+    _window_end[:] = window[-1:]
+    return [run_id for _, run_id in window]
 
 
 def _latest_claimed_creations(queues: list[str]) -> dict[str, dt.datetime]:

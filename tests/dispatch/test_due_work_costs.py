@@ -12,6 +12,7 @@ import datetime as dt
 
 import pytest
 from django.db import connection, transaction
+from django.db.models import F
 
 from dispatch.completer import _awaiting, _finished
 from dispatch.materializer import active_scheduled_runs
@@ -85,7 +86,7 @@ def test_pause_after_failures_reads_each_jobs_latest_finished_runs_only(user):
 
 def test_reconciliation_reads_its_window_from_the_queued_runs_index():
     queued = Run.objects.filter(state=RunState.QUEUED, updated_at__lt=NOW, updated_at__gte=NOW)
-    text = queryset_plan(queued.order_by("updated_at").values_list("id", flat=True)[:2000])
+    text = queryset_plan(queued.order_by("updated_at", "id").values_list("id", flat=True)[:2000])
     assert "run_queued_idx" in text, text
 
 
@@ -127,3 +128,24 @@ def test_reconciliation_examines_a_bounded_window_and_finds_every_lost_run_in_ti
     assert max(passes) <= 5  # no pass looked past its window
     assert sum(passes) == len(runs) and len(passes) <= 3, passes
     assert depths and not any(depths)  # the broker is asked outside any transaction
+
+
+def test_every_queued_run_is_examined_within_its_share_of_passes_ties_included(user):
+    """Runs made by one statement share their `updated_at`: the windows walk the queued
+    runs by (updated_at, id) where the previous one ended, so 23 queued runs, 20 of them
+    tied, are all examined within ceil(23 / 5) = 5 passes of 5, whatever came before."""
+    job = make_job(user, now=NOW - dt.timedelta(hours=4))
+    version = job.versions.get()
+    tied = NOW - dt.timedelta(hours=1)
+    instants = [NOW - dt.timedelta(hours=3), *[tied] * 20, *[tied + dt.timedelta(seconds=1)] * 2]
+    Run.objects.bulk_create(
+        Run(job=job, job_version=version, kind="manual", state=RunState.QUEUED, scheduled_for=at,
+            idempotency_key=f"window {n}", due_at=at, created_at=at)
+        for n, at in enumerate(instants)
+    )  # fmt: skip
+    Run.objects.update(updated_at=F("created_at"))
+    config = ReconcileConfig(queued_after_seconds=300, scan_size=5)
+    _window(now=NOW, config=config)  # wherever an earlier window left off
+    seen = [run_id for _ in range(5) for run_id in _window(now=NOW, config=config)]
+    assert set(seen) == set(Run.objects.values_list("id", flat=True))
+    assert len(seen) == 25  # five windows of five: two runs seen twice, none skipped
