@@ -33,6 +33,7 @@ from .models import (
     SchedulerReplica,
     Tally,
 )
+from .retention import DEAD_LETTER_PRUNED
 
 # name -> (help, label names). A Counter row's labels are stored as `kind="effect"`.
 COUNTERS = {
@@ -83,6 +84,12 @@ def oldest_overdue_seconds(*, now: dt.datetime, oldest_pending: dt.datetime | No
         oldest_pending = _oldest_pending_outbox()
     waiting = [at for at in (oldest, oldest_pending) if at is not None]
     return max(0.0, (now - min(waiting)).total_seconds()) if waiting else 0.0
+
+
+def _dead_letter_pruned() -> int:
+    """Failed runs that retention deleted (jobs.retention): the counter never goes back."""
+    row = Counter.objects.filter(name=DEAD_LETTER_PRUNED, labels="").values_list("value").first()
+    return row[0] if row else 0
 
 
 def _oldest_pending_outbox() -> dt.datetime | None:
@@ -178,7 +185,7 @@ class DatabaseCollector:
         yield CounterMetricFamily(
             "scheduler_dead_letter",
             "Runs that ended failed (the dead-letter view).",
-            value=Run.objects.filter(state=RunState.FAILED).count(),
+            value=Run.objects.filter(state=RunState.FAILED).count() + _dead_letter_pruned(),
         )
         backlog = OutboxMessage.objects.filter(state=OutboxState.PENDING).count()
         yield GaugeMetricFamily(

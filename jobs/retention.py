@@ -21,6 +21,7 @@ import datetime as dt
 
 from django.db import connection
 
+from .counters import counter_increment
 from .models import (
     ActiveRun,
     Attempt,
@@ -34,6 +35,9 @@ from .models import (
     RunState,
 )
 from .transitions import TERMINAL_RUN_STATES
+
+# Failed runs deleted by retention, which scheduler_dead_letter_total adds to those kept.
+DEAD_LETTER_PRUNED = "scheduler_dead_letter_pruned"
 
 
 def _sql_in(values) -> str:
@@ -93,13 +97,26 @@ def runs_delete(*, run_ids: list) -> int:
     marks = ", ".join(["%s"] * len(run_ids))
     with connection.cursor() as cursor:
         cursor.execute(
-            f"SELECT id FROM {Run._meta.db_table} WHERE id IN ({marks}) AND state IN {TERMINAL}",
+            f"SELECT id, state FROM {Run._meta.db_table}"
+            f" WHERE id IN ({marks}) AND state IN {TERMINAL}",
             run_ids,
         )
-        doomed = [row[0] for row in cursor.fetchall()]
+        rows = cursor.fetchall()
+        doomed = [run_id for run_id, _ in rows]
         if not doomed:
             return 0
         marks = ", ".join(["%s"] * len(doomed))
+        # scheduler_dead_letter_total counts failed runs: those pruned stay counted.
+        failed = sum(state == RunState.FAILED for _, state in rows)
+        if failed:
+            counter_increment(DEAD_LETTER_PRUNED, by=failed)
+        # An operator's action on the job (job.triggered names the run it made) is the
+        # job's history, which stays: it only loses the link to the run.
+        cursor.execute(
+            f"UPDATE {AuditEvent._meta.db_table} SET run_id = NULL"
+            f" WHERE run_id IN ({marks}) AND action LIKE 'job.%%'",
+            doomed,
+        )
         deleted = 0
         # The ORM's delete() would first read every related row to cascade by hand; these
         # are all the tables that refer to a run or an attempt, so plain DELETEs do.

@@ -284,3 +284,28 @@ def test_soak_the_hot_tables_stay_bounded_while_runs_keep_succeeding(stack, repo
     waiting = Run.objects.get(job=retrying)
     assert waiting.state == RunState.RETRY_WAIT
     assert list(waiting.attempts.values_list("state", flat=True)) == [AttemptState.FAILED]
+
+
+@pytest.mark.django_db
+def test_pruned_failed_runs_stay_counted_and_the_jobs_own_history_stays(user, operator_api):
+    """scheduler_dead_letter_total is a counter: pruning a failed run never lowers it. An
+    operator's trigger (`job.triggered`, which names the run it made) is the job's history:
+    it stays, without the run."""
+    from tests.jobs.test_metrics import scrape
+
+    def dead_letters() -> float:
+        text = operator_api.get("/metrics").content.decode()
+        return scrape(text)[("scheduler_dead_letter_total", ())]
+
+    job = make_job(user, now=NOW - 60 * DAY)
+    runs = finished_runs(job, user, NOW - 40 * DAY, NOW - 39 * DAY)  # both failed, then kept 1
+    Job.objects.filter(id=job.id).update(state=JobState.COMPLETED)
+    before = dead_letters()
+    triggered = AuditEvent.objects.filter(action="job.triggered", job_id=job.id)
+    assert triggered.count() == 2
+
+    assert pruner_run_once(now=NOW, config=KEEP_30_DAYS).runs_pruned == 2
+
+    assert not Run.objects.filter(id__in=[run.id for run in runs]).exists()
+    assert dead_letters() == before == 2
+    assert list(triggered.values_list("run_id", flat=True)) == [None, None]
