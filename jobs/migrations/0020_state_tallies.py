@@ -72,7 +72,12 @@ END $$""",
     return statements
 
 
-TRIGGERS = [f"{name}_{event}" for name, *_ in _TALLIES for event in ("insert", "update", "delete")]
+# (trigger and function name, table)
+TRIGGERS = [
+    (f"{name}_{event}", table)
+    for name, table, *_ in _TALLIES
+    for event in ("insert", "update", "delete")
+]
 
 
 def create_tallies(apps, schema_editor):
@@ -97,7 +102,7 @@ def create_tallies(apps, schema_editor):
 def drop_tallies(apps, schema_editor):
     if schema_editor.connection.vendor != "postgresql":
         return
-    for name, (_, table, *_rest) in zip(TRIGGERS, [t for t in _TALLIES for _ in range(3)]):
+    for name, table in TRIGGERS:
         schema_editor.execute(f"DROP TRIGGER {name} ON {table}")
         schema_editor.execute(f"DROP FUNCTION {name}()")
     schema_editor.execute(f"DELETE FROM jobs_tally WHERE name IN ('{RUNS}', '{BACKLOG}')")
