@@ -108,7 +108,7 @@ def oldest_pending_outbox():
     )
 
 
-def _state_tallies() -> tuple[dict[str, int], int]:
+def runs_by_state_and_backlog() -> tuple[dict[str, int], int]:
     """(runs by state, outbox rows pending): on PostgreSQL the tallies the triggers keep,
     summed over the shards (a few dozen rows, however many runs); on SQLite (embedded
     defaults, small tables, no such triggers) counted from the rows."""
@@ -206,7 +206,7 @@ class DatabaseCollector:
             if state != AttemptState.RUNNING:
                 attempts.add_metric([state], finished.get(f'outcome="{state}"', 0))
         yield attempts
-        runs_by_state, backlog = _state_tallies()
+        runs_by_state, backlog = runs_by_state_and_backlog()
         yield CounterMetricFamily(
             "scheduler_dead_letter",
             "Runs that ended failed (the dead-letter view).",
