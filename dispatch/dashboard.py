@@ -22,7 +22,7 @@ from django.http import HttpRequest, HttpResponse, HttpResponseForbidden
 from django.shortcuts import render
 
 from jobs.clock import db_now
-from jobs.metrics import oldest_overdue_seconds
+from jobs.metrics import oldest_overdue_seconds, runs_by_state_and_backlog
 from jobs.models import (
     Attempt,
     AttemptState,
@@ -186,7 +186,7 @@ def dashboard_figures(*, user: AbstractBaseUser, now: dt.datetime | None = None)
     now = now or db_now()
     since = now - WINDOW
     runs = _window_runs(since)
-    by_state = dict(Run.objects.values_list("state").annotate(n=Count("id")).order_by())
+    by_state, backlog = runs_by_state_and_backlog()  # as /metrics: tallies on PostgreSQL
     due_jobs = Job.objects.filter(state=JobState.ACTIVE, next_run_at__lte=now)
     oldest_queued = Run.objects.filter(state=RunState.QUEUED).aggregate(at=Min("updated_at"))["at"]
     throughput, finished = _throughput_chart(runs, since)
@@ -216,7 +216,7 @@ def dashboard_figures(*, user: AbstractBaseUser, now: dt.datetime | None = None)
         "throughput_chart": throughput,
         "finished_last_hour": finished,
         "queues": _queues(),
-        "outbox_backlog": OutboxMessage.objects.count(),
+        "outbox_backlog": backlog,
         "dead_letters": by_state.get(RunState.FAILED, 0),
         "dead_letter_runs": list(dead_letters.select_related("job")[:DEAD_LETTERS_SHOWN]),
         "top_failing": list(top_failing),
