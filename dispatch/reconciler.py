@@ -15,10 +15,13 @@ Every repair is one conditional update on rows claimed with FOR UPDATE SKIP LOCK
 number of replicas may run it; no transaction waits on the broker.
 
 A pass costs the same however many runs are queued: it examines a window of at most
-`scan_size` queued runs, read from run_queued_idx alone (queued runs only), each pass's
-window starting where the previous one ended (wrapping round to the oldest), and only
-those are checked for a pending outbox row, read for their queue and locked; a lost run
-behind a backlog of N queued runs is found within ceil(N / scan_size) passes.
+`scan_size` queued runs, read from run_queued_idx alone (queued runs only): the oldest
+tenth, and a walk that starts where the previous one ended (wrapping round to the oldest
+when it reaches the cutoff); only those are checked for a pending outbox row, read for
+their queue and locked. A lost run behind N queued runs is found within
+ceil(N / (0.9 scan_size)) passes while N holds still, and once every run queued before it
+has gone (a lost run stays queued, so it becomes one of the oldest) at every pass, however
+fast new runs cross the cutoff.
 """
 
 from __future__ import annotations
@@ -160,23 +163,30 @@ _window_end: list[tuple[dt.datetime, object]] = []
 
 def _window(*, now: dt.datetime, config: ReconcileConfig) -> list:
     """The ids of up to `scan_size` runs queued before the cutoff, read from run_queued_idx
-    alone, in (updated_at, id) order from where this process's previous window ended,
-    wrapping round to the oldest: every queued run is examined within
-    ceil(queued / scan_size) passes, at a bounded cost each, ties on `updated_at` (runs
-    made by one statement) included."""
+    alone: the oldest tenth (a lost run is never republished by anyone else, so it stays
+    among the oldest: looked at again every pass, once evidence of its loss exists), and
+    the rest in (updated_at, id) order from where this process's previous walk ended,
+    wrapping round to the oldest at the cutoff (module docstring), ties on `updated_at`
+    (runs made by one statement) included, at a bounded cost each."""
     cutoff = now - dt.timedelta(seconds=config.queued_after_seconds)
     queued = Run.objects.filter(state=RunState.QUEUED, updated_at__lt=cutoff)
     ordered = queued.order_by("updated_at", "id").values_list("updated_at", "id")
-    window = []
+    window = list(ordered[: max(1, config.scan_size // 10)])
+    seen = {run_id for _, run_id in window}
+    walk = []
     if _window_end:
         at, run_id = _window_end[0]
         after = Q(updated_at__gt=at) | Q(updated_at=at, id__gt=run_id)
-        window = list(ordered.filter(updated_at__gte=at).filter(after)[: config.scan_size])
-    if len(window) < config.scan_size:
-        seen = {run_id for _, run_id in window}
-        window += [row for row in ordered[: config.scan_size - len(window)] if row[1] not in seen]
-    _window_end[:] = window[-1:]
-    return [run_id for _, run_id in window]
+        walk = list(ordered.filter(updated_at__gte=at).filter(after)[: config.scan_size])
+        walk = [row for row in walk if row[1] not in seen][: config.scan_size - len(window)]
+    if len(window) + len(walk) < config.scan_size:  # the walk reached the cutoff: wrap round
+        seen |= {run_id for _, run_id in walk}
+        rest = ordered[: config.scan_size]
+        walk += [row for row in rest if row[1] not in seen][
+            : config.scan_size - len(window) - len(walk)
+        ]
+    _window_end[:] = walk[-1:] or window[-1:]
+    return [run_id for _, run_id in window + walk]
 
 
 def _latest_claimed_creations(queues: list[str]) -> dict[str, dt.datetime]:
@@ -294,10 +304,13 @@ def _alarm_stuck_outbox(
     exported as scheduler_outbox_oldest_pending_seconds; the relay keeps retrying them.
     Judged per (queue, owner): a group the relay never failed on that waits by design (its
     queue at its high-water mark, or its owner at its limit of active runs) is only noted;
-    any other raises the ERROR. Returns (stuck rows, held rows), of the oldest STUCK_ROWS."""
+    any other raises the ERROR. Returns (stuck rows, held rows), of the oldest STUCK_ROWS
+    and the oldest rows a relay failed on (which held rows before them never hide)."""
     cutoff = now - dt.timedelta(seconds=config.outbox_alarm_after_seconds)
     groups = list(
-        OutboxMessage.objects.filter(id__in=Subquery(_oldest_stuck(cutoff)))
+        OutboxMessage.objects.filter(
+            Q(id__in=Subquery(_oldest_stuck(cutoff))) | Q(id__in=Subquery(_oldest_failing(cutoff)))
+        )
         .values("queue", "owner_id")
         .annotate(
             rows=Count("id"),
@@ -347,6 +360,15 @@ def _oldest_stuck(cutoff: dt.datetime):
     outbox_pending_age_idx, never the whole backlog."""
     stuck = OutboxMessage.objects.filter(state=OutboxState.PENDING, created_at__lt=cutoff)
     return stuck.order_by("created_at").values("id")[:STUCK_ROWS]
+
+
+def _oldest_failing(cutoff: dt.datetime):
+    """The ids of the oldest rows a relay failed to publish, pending since before `cutoff`
+    (outbox_failing_idx): however many rows are held back on purpose before them."""
+    failing = OutboxMessage.objects.filter(
+        state=OutboxState.PENDING, publish_tries__gt=0, created_at__lt=cutoff
+    )
+    return failing.order_by("created_at").values("id")[:STUCK_GROUPS]
 
 
 def _held_back(

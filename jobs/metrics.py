@@ -15,7 +15,7 @@ import re
 from collections import defaultdict
 
 from django.conf import settings
-from django.db import connection
+from django.db import connection, transaction
 from django.db.models import Count, Min, Sum
 from django.db.models.functions import Coalesce, Greatest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
@@ -36,6 +36,9 @@ from .models import (
     Tally,
 )
 from .retention import DEAD_LETTER_PRUNED
+
+# The key of runs_by_state_and_backlog's count of failed runs pruned (not a run state).
+PRUNED_FAILED = "pruned_failed"
 
 # name -> (help, label names). A Counter row's labels are stored as `kind="effect"`.
 COUNTERS = {
@@ -89,12 +92,6 @@ def oldest_overdue_seconds(*, now: dt.datetime, oldest_pending: dt.datetime | No
     return max(0.0, (now - min(waiting)).total_seconds()) if waiting else 0.0
 
 
-def _dead_letter_pruned() -> int:
-    """Failed runs that retention deleted (jobs.retention): the counter never goes back."""
-    row = Counter.objects.filter(name=DEAD_LETTER_PRUNED, labels="").values_list("value").first()
-    return row[0] if row else 0
-
-
 def _oldest_pending_outbox() -> dt.datetime | None:
     """One probe of outbox_pending_age_idx, however long the backlog."""
     return oldest_pending_outbox().first()
@@ -111,19 +108,26 @@ def oldest_pending_outbox():
 def runs_by_state_and_backlog() -> tuple[dict[str, int], int]:
     """(runs by state, outbox rows pending): on PostgreSQL the tallies the triggers keep,
     summed over the shards (a few dozen rows, however many runs); on SQLite (embedded
-    defaults, small tables, no such triggers) counted from the rows."""
+    defaults, small tables, no such triggers) counted from the rows. Under PRUNED_FAILED,
+    the failed runs retention deleted, read in the same snapshot as the failed runs
+    (scheduler_dead_letter_total must never go back)."""
     if connection.vendor != "postgresql":
-        runs = dict(Run.objects.values_list("state").annotate(count=Count("id")))
-        return runs, OutboxMessage.objects.filter(state=OutboxState.PENDING).count()
+        with transaction.atomic():  # one snapshot for the reads (SQLite's WAL)
+            runs = dict(Run.objects.values_list("state").annotate(count=Count("id")))
+            pruned = Tally.objects.filter(name=DEAD_LETTER_PRUNED).aggregate(n=Sum("count"))["n"]
+            runs[PRUNED_FAILED] = pruned or 0
+            return runs, OutboxMessage.objects.filter(state=OutboxState.PENDING).count()
     rows = (
-        Tally.objects.filter(name__in=[RUN_TALLY, BACKLOG_TALLY])
+        Tally.objects.filter(name__in=[RUN_TALLY, BACKLOG_TALLY, DEAD_LETTER_PRUNED])
         .values_list("name", "labels")
         .annotate(count=Sum("count"))
     )
-    runs, backlog = {}, 0
+    runs, backlog = {PRUNED_FAILED: 0}, 0
     for name, labels, count in rows:
         if name == BACKLOG_TALLY:
             backlog = int(count)
+        elif name == DEAD_LETTER_PRUNED:
+            runs[PRUNED_FAILED] = int(count)
         else:
             runs[dict(LABEL.findall(labels))["state"]] = int(count)
     return runs, backlog
@@ -209,8 +213,8 @@ class DatabaseCollector:
         runs_by_state, backlog = runs_by_state_and_backlog()
         yield CounterMetricFamily(
             "scheduler_dead_letter",
-            "Runs that ended failed (the dead-letter view).",
-            value=runs_by_state.get(RunState.FAILED, 0) + _dead_letter_pruned(),
+            "Runs that ended failed (the dead-letter view), pruned ones included.",
+            value=runs_by_state.get(RunState.FAILED, 0) + runs_by_state.get(PRUNED_FAILED, 0),
         )
         yield GaugeMetricFamily(
             "scheduler_outbox_backlog", "Outbox rows not yet published.", value=backlog

@@ -19,9 +19,9 @@ from __future__ import annotations
 
 import datetime as dt
 
-from django.db import connection
+from django.db import IntegrityError, connection, transaction
+from django.db.models import F
 
-from .counters import counter_increment
 from .models import (
     ActiveRun,
     Attempt,
@@ -33,11 +33,30 @@ from .models import (
     OutboxMessage,
     Run,
     RunState,
+    Tally,
 )
 from .transitions import TERMINAL_RUN_STATES
 
-# Failed runs deleted by retention, which scheduler_dead_letter_total adds to those kept.
+# Failed runs deleted by retention, which scheduler_dead_letter_total adds to those kept:
+# a row of jobs_tally (shard 0), so that /metrics reads it in the same statement, and the
+# same snapshot, as the failed runs' tally (a prune between two reads would make the
+# counter drop for one scrape, which Prometheus takes for a reset).
 DEAD_LETTER_PRUNED = "scheduler_dead_letter_pruned"
+
+
+def _dead_letter_pruned_add(count: int) -> None:
+    """Add `count` in the caller's transaction (the prune's)."""
+    if Tally.objects.filter(name=DEAD_LETTER_PRUNED, labels="", shard=0).update(
+        count=F("count") + count
+    ):
+        return
+    try:
+        with transaction.atomic():
+            Tally.objects.create(name=DEAD_LETTER_PRUNED, labels="", shard=0, count=count)
+    except IntegrityError:  # another pruner created it first
+        Tally.objects.filter(name=DEAD_LETTER_PRUNED, labels="", shard=0).update(
+            count=F("count") + count
+        )
 
 
 def _sql_in(values) -> str:
@@ -109,7 +128,7 @@ def runs_delete(*, run_ids: list) -> int:
         # scheduler_dead_letter_total counts failed runs: those pruned stay counted.
         failed = sum(state == RunState.FAILED for _, state in rows)
         if failed:
-            counter_increment(DEAD_LETTER_PRUNED, by=failed)
+            _dead_letter_pruned_add(failed)
         # An operator's action on the job (job.triggered names the run it made) is the
         # job's history, which stays: it only loses the link to the run.
         cursor.execute(

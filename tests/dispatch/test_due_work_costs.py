@@ -132,8 +132,9 @@ def test_reconciliation_examines_a_bounded_window_and_finds_every_lost_run_in_ti
 
 def test_every_queued_run_is_examined_within_its_share_of_passes_ties_included(user):
     """Runs made by one statement share their `updated_at`: the windows walk the queued
-    runs by (updated_at, id) where the previous one ended, so 23 queued runs, 20 of them
-    tied, are all examined within ceil(23 / 5) = 5 passes of 5, whatever came before."""
+    runs by (updated_at, id) from where the previous walk ended, so 23 queued runs, 20 of
+    them tied, are all examined within ceil(22 / 9) = 3 windows of 10, whatever came
+    before; the oldest (where a lost run stays) is in every window."""
     job = make_job(user, now=NOW - dt.timedelta(hours=4))
     version = job.versions.get()
     tied = NOW - dt.timedelta(hours=1)
@@ -144,8 +145,11 @@ def test_every_queued_run_is_examined_within_its_share_of_passes_ties_included(u
         for n, at in enumerate(instants)
     )  # fmt: skip
     Run.objects.update(updated_at=F("created_at"))
-    config = ReconcileConfig(queued_after_seconds=300, scan_size=5)
+    oldest = Run.objects.get(idempotency_key="window 0")
+    config = ReconcileConfig(queued_after_seconds=300, scan_size=10)
     _window(now=NOW, config=config)  # wherever an earlier window left off
-    seen = [run_id for _ in range(5) for run_id in _window(now=NOW, config=config)]
-    assert set(seen) == set(Run.objects.values_list("id", flat=True))
-    assert len(seen) == 25  # five windows of five: two runs seen twice, none skipped
+    windows = [_window(now=NOW, config=config) for _ in range(3)]
+    assert all(len(window) == len(set(window)) == 10 for window in windows)
+    assert all(oldest.id in window for window in windows)
+    seen = {run_id for window in windows for run_id in window}
+    assert seen == set(Run.objects.values_list("id", flat=True))

@@ -215,6 +215,30 @@ def test_rows_held_back_do_not_hide_other_queues_stuck_rows(queued_run, caplog):
     assert len(errors()) == 1
 
 
+def test_rows_a_relay_failed_on_are_alarmed_behind_any_number_held_back(
+    queued_run, caplog, monkeypatch
+):
+    """More rows held back on purpose than the alarm reads (STUCK_ROWS, 3 here) come first;
+    a younger row of another queue that a relay failed to publish still raises the ERROR:
+    it is read through outbox_failing_idx, not found among the oldest."""
+    import logging
+
+    import dispatch.reconciler
+
+    monkeypatch.setattr(dispatch.reconciler, "STUCK_ROWS", 3)
+    caplog.set_level(logging.INFO, logger="dispatch.reconciler")
+    for minutes in (50, 40, 30, 20):  # queue `jobs`, at its mark
+        queued_run(created=NOW - dt.timedelta(hours=2, minutes=minutes))
+    failing = queued_run(created=NOW - dt.timedelta(hours=1), queue="other")
+    OutboxMessage.objects.filter(run=failing).update(publish_tries=2, last_error="refused")
+    full = dataclasses.replace(CONFIG, queue_high_water=10)
+
+    result = reconcile_run_once(now=NOW, config=full, queue_depth={"jobs": 10, "other": 0}.get)
+
+    assert result == ReconcileResult(outbox_stuck=1, outbox_held_back=3)
+    assert [r.levelno for r in caplog.records if r.levelno >= logging.ERROR] == [logging.ERROR]
+
+
 def test_after_max_republish_tries_the_run_fails_as_undeliverable(queued_run, user):
     config = ReconcileConfig(queued_after_seconds=THRESHOLD, max_republish=2)
     run = queued_run()
