@@ -311,3 +311,29 @@ def queue_depth(broker_url: str, queue: str = "jobs") -> int | None:
             return conn.default_channel.queue_declare(queue=queue, passive=True).message_count
         except Exception:  # noqa: BLE001
             return None
+
+
+def git_commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
+                              text=True, check=True).stdout.strip()  # fmt: skip
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def results_header(args, started: dt.datetime) -> dict:
+    """What every results JSON starts with: when, which commit, the machine (shared: its
+    load says how much the figures can be trusted), and the options."""
+    import platform
+
+    return {
+        "started": started.isoformat(),
+        "commit": git_commit(),
+        "host": {
+            "node": platform.node(),
+            "cpus": os.cpu_count(),
+            "python": sys.version,
+            "load_average_before": os.getloadavg(),
+        },
+        "options": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+    }

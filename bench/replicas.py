@@ -34,7 +34,6 @@ import argparse
 import datetime as dt
 import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -43,8 +42,8 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from common import bench_environment, validated_spec  # noqa: E402
-from scale import git_commit, insert_jobs, table_names  # noqa: E402
+from common import bench_environment, results_header, validated_spec  # noqa: E402
+from scale import insert_jobs, table_names  # noqa: E402
 
 TICK = os.sysconf("SC_CLK_TCK")
 
@@ -517,15 +516,7 @@ def main(argv: list[str] | None = None) -> dict:
         / f"{started:%Y%m%dT%H%M%SZ}-replicas-{args.mode}-{args.queue_type}.json"
     )
     document = {
-        "started": started.isoformat(),
-        "commit": git_commit(),
-        "host": {
-            "node": platform.node(),
-            "cpus": os.cpu_count(),
-            "python": sys.version,
-            "load_average_before": os.getloadavg(),
-        },  # fmt: skip
-        "options": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        **results_header(args, started),
         "results": {},
     }
     os.environ["SCHEDULER_QUEUE_TYPE"] = args.queue_type

@@ -23,15 +23,13 @@ import argparse
 import datetime as dt
 import json
 import os
-import platform
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from common import ROOT, bench_environment  # noqa: E402
+from common import bench_environment, results_header  # noqa: E402
 
 # Per workload, the defaults that differ from the common ones (`--jobs` mostly).
 DEFAULT_JOBS = {"w1": 10_000, "w2": 1_000, "w3": 1_000, "claim": 10_000, "bare": 10_000}
@@ -189,14 +187,6 @@ def print_table(results: dict) -> None:
             print("  ".join("-" * width for width in widths))
 
 
-def git_commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
-                              text=True, check=True).stdout.strip()  # fmt: skip
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
 def main(argv: list[str] | None = None) -> dict:
     args = parser().parse_args(argv)
     os.environ["BENCH_TASK"] = args.task  # read by bench.common.bench_task
@@ -204,16 +194,7 @@ def main(argv: list[str] | None = None) -> dict:
     started = dt.datetime.now(dt.UTC)
     output = args.output or HERE / "results" / f"{started:%Y%m%dT%H%M%SZ}.json"
     document = {
-        "started": started.isoformat(),
-        "commit": git_commit(),
-        "host": {
-            "node": platform.node(),
-            "cpus": os.cpu_count(),
-            "python": sys.version,
-            # The machine is shared: its load says how much the figures can be trusted.
-            "load_average_before": os.getloadavg(),
-        },
-        "options": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        **results_header(args, started),
         "results": {},
     }
     from workloads import WORKLOADS

@@ -44,7 +44,6 @@ import contextlib
 import datetime as dt
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -54,7 +53,14 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from common import PG, bench_environment, bench_owner, quantile, validated_spec  # noqa: E402
+from common import (  # noqa: E402
+    PG,
+    bench_environment,
+    bench_owner,
+    quantile,
+    results_header,
+    validated_spec,
+)
 
 CHUNK = 100_000  # jobs (with their version, audit event, run and attempt) a statement
 BACKLOG_QUEUE = "backlog"
@@ -570,14 +576,6 @@ def print_table(document: dict) -> None:
             print("  ".join("-" * width for width in widths))
 
 
-def git_commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=HERE, capture_output=True,
-                              text=True, check=True).stdout.strip()  # fmt: skip
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
 def write(document: dict, output: Path) -> None:
     document["finished"] = dt.datetime.now(dt.UTC).isoformat()
     document["host"]["load_average_after"] = os.getloadavg()
@@ -594,15 +592,7 @@ def main(argv: list[str] | None = None) -> dict:
     started = dt.datetime.now(dt.UTC)
     output = args.output or HERE / "results" / f"{started:%Y%m%dT%H%M%SZ}-scale-{args.jobs}.json"
     document = {
-        "started": started.isoformat(),
-        "commit": git_commit(),
-        "host": {
-            "node": platform.node(),
-            "cpus": os.cpu_count(),
-            "python": sys.version,
-            "load_average_before": os.getloadavg(),
-        },
-        "options": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        **results_header(args, started),
         "sizes": [str(args.small), str(args.jobs)],
         "results": {},
     }
