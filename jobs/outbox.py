@@ -70,26 +70,25 @@ def outbox_enqueue_runs(*, runs: list[Run], now: dt.datetime) -> int:
          "priority": spec["priority"], "timeout_seconds": spec.get("timeout_seconds")}
         for run, spec in zip(runs, specs, strict=True)
     ]  # fmt: skip
-    document = json.dumps(rows)
     with connection.cursor() as cursor:
         cursor.execute(
             f"""
-            WITH uncounted AS (
+            WITH message AS MATERIALIZED (
+                SELECT * FROM jsonb_to_recordset(%s::jsonb)
+                    AS message(run_id uuid, job_id uuid, task_name text, queue text,
+                               priority int, timeout_seconds int)
+            ), uncounted AS (
                 DELETE FROM {ActiveRun._meta.db_table}
-                 WHERE run_id IN (SELECT (message ->> 'run_id')::uuid
-                                    FROM jsonb_array_elements(%s::jsonb) AS message)
+                 WHERE run_id IN (SELECT run_id FROM message)
             )
             INSERT INTO {OutboxMessage._meta.db_table}
                    (run_id, owner_id, message_id, task_name, queue, priority, timeout_seconds,
                     state, created_at, publish_tries, last_error)
             SELECT message.run_id, job.owner_id, gen_random_uuid(), message.task_name,
                    message.queue, message.priority, message.timeout_seconds, %s, %s, 0, ''
-              FROM jsonb_to_recordset(%s::jsonb)
-                   AS message(run_id uuid, job_id uuid, task_name text, queue text,
-                              priority int, timeout_seconds int)
-              JOIN {Job._meta.db_table} AS job ON job.id = message.job_id
+              FROM message JOIN {Job._meta.db_table} AS job ON job.id = message.job_id
             """,
-            [document, OutboxState.PENDING, now, document],
+            [json.dumps(rows), OutboxState.PENDING, now],
         )
         written = cursor.rowcount
     notify(CHANNEL_OUTBOX)
