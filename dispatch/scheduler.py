@@ -73,9 +73,9 @@ def scheduler_run_once(*, now: dt.datetime, config: SchedulerConfig) -> Schedule
         now=now, config=PromoterConfig(batch_size=config.batch_size, scope=config.scope)
     )
     marks.append(time.monotonic())
-    # Completion can wait for a backlog of due work: its query looks at every job whose
-    # schedule is over, which a burst of one-time jobs makes thousands while their runs are
-    # active, and no run starts sooner for it.
+    # Completion can wait for a backlog of due work: it is the safety net behind the
+    # trigger that completes a job with its last run (a bounded window of the jobs awaiting
+    # completion), and no run starts sooner for it.
     backlog = materialized.batch_full or promoted.batch_full
     completed = (
         CompleterResult()

@@ -32,7 +32,7 @@ from collections.abc import Iterable
 from django.db import connection
 from django.db.models import Count
 
-from jobs.models import ActiveRun, OutboxMessage, OutboxState, OwnerLimit, RunState
+from jobs.models import OWNER_LIMIT_STATES, ActiveRun, OutboxMessage, OutboxState, OwnerLimit
 
 # Queues one relay step (or reconciliation pass) looks at, each a question to the broker.
 MAX_QUEUES = 1000
@@ -40,7 +40,6 @@ MAX_OWNERS = 1000  # owners of one queue sharing one step; the next step starts 
 ROUNDS = 3  # rounds in which an unused share goes to the other owners
 # The advisory lock space of owners' limits (pg_try_advisory_xact_lock(space, key)).
 LIMIT_LOCK_SPACE = 0x5EED
-ACTIVE_STATES = (RunState.QUEUED, RunState.RUNNING)
 
 
 class OwnerTurns:
@@ -113,7 +112,9 @@ def owners_active(owners: Iterable) -> dict:
     owners = list(owners)
     if not owners:
         return {}
-    ActiveRun.objects.filter(owner_id__in=owners).exclude(run__state__in=ACTIVE_STATES).delete()
+    ActiveRun.objects.filter(owner_id__in=owners).exclude(
+        run__state__in=OWNER_LIMIT_STATES
+    ).delete()
     counted = ActiveRun.objects.filter(owner_id__in=owners).values_list("owner_id")
     return dict(counted.annotate(count=Count("run_id")).order_by())
 
@@ -125,7 +126,7 @@ def owner_at_limit(owner, *, default_limit: int | None) -> bool:
     limit = override[0] if override else default_limit
     if limit is None:
         return False
-    active = ActiveRun.objects.filter(owner_id=owner, run__state__in=ACTIVE_STATES)
+    active = ActiveRun.objects.filter(owner_id=owner, run__state__in=OWNER_LIMIT_STATES)
     return active.count() >= limit
 
 

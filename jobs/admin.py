@@ -12,6 +12,7 @@ from .admin_pages import job_page, run_page
 from .audit import audit_record
 from .clock import db_now
 from .models import (
+    OWNER_LIMIT_STATES,
     ActiveRun,
     ApiToken,
     Attempt,
@@ -23,7 +24,6 @@ from .models import (
     OutboxState,
     OwnerLimit,
     Run,
-    RunState,
 )
 from .redaction import redact, redact_value
 from .roles import user_is_operator
@@ -211,7 +211,7 @@ class OwnerLimitAdmin(admin.ModelAdmin):
     @admin.display(description="in the broker or running")
     def active_runs(self, limit):
         return ActiveRun.objects.filter(
-            owner_id=limit.owner_id, run__state__in=(RunState.QUEUED, RunState.RUNNING)
+            owner_id=limit.owner_id, run__state__in=OWNER_LIMIT_STATES
         ).count()
 
     @admin.display(description="waiting to be published")

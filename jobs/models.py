@@ -415,6 +415,10 @@ class OwnerLimit(models.Model):
         return f"limit of {self.owner_id}: {self.max_active_runs}"
 
 
+# The states in which a run's ActiveRun row counts against its owner's limit.
+OWNER_LIMIT_STATES = (RunState.QUEUED, RunState.RUNNING)
+
+
 class ActiveRun(models.Model):
     """A run of a limited owner that the relay published: it counts against the owner's
     limit while the run is `queued` or `running`. The relay writes it with the publication
