@@ -5,8 +5,9 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 
+from celery import shared_task
+
 from jobs.registry import task_register
-from scheduler_project.celery import app
 
 
 def job_task(name: str, *, pack: int = 1, **celery_options):
@@ -25,7 +26,9 @@ def job_task(name: str, *, pack: int = 1, **celery_options):
     def decorate(handler: Callable):
         task_register(name=name, handler=handler, pack=pack)
 
-        @app.task(name=name, bind=True, **celery_options)
+        # shared_task binds to the project's Celery app (scheduler_project.celery) without
+        # importing it: the wiring sits above dispatch in the import contract.
+        @shared_task(name=name, bind=True, **celery_options)
         def deliver(
             self,
             run_id: str | None = None,
