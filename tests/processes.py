@@ -10,6 +10,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from urllib.parse import quote
 
 from django.conf import settings
 from django.db import connection
@@ -26,7 +27,8 @@ def test_database_url() -> str:
     user = db.get("USER") or ""
     password = f":{db['PASSWORD']}" if db.get("PASSWORD") else ""
     auth = f"{user}{password}@" if user else ""
-    return f"postgres://{auth}{db.get('HOST') or '127.0.0.1'}:{db.get('PORT') or 5432}/{db['NAME']}"
+    host = quote(db.get("HOST") or "127.0.0.1", safe="")  # a Unix socket's folder: %2F...
+    return f"postgres://{auth}{host}:{db.get('PORT') or 5432}/{db['NAME']}"
 
 
 def purge_queue(name: str = "jobs") -> None:

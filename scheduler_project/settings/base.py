@@ -4,8 +4,12 @@ import json
 import os
 import secrets
 from pathlib import Path
+from urllib.parse import quote
 
 import dj_database_url
+
+from scheduler_project import embedded
+from scheduler_project.embedded import EmbeddedPostgres
 
 from . import env
 from .integrations import *  # noqa: F403
@@ -13,15 +17,18 @@ from .integrations import init_sentry
 
 BASE_DIR = env.BASE_DIR
 VAR_DIR = env.VAR_DIR
-# var/ holds the secret key, the SQLite database (token hashes, password hashes), run
-# logs and the filesystem broker's messages: readable by their owner only (SPEC,
-# "Security"). Folders 0700, files 0600: those made here explicitly, the rest (SQLite's,
-# the broker's, the logs') through a umask that this process keeps while it writes there.
+# var/ holds the secret key, the embedded PostgreSQL's data (token hashes, password
+# hashes), run logs and the filesystem broker's messages: readable by their owner only
+# (SPEC, "Security"). Folders 0700, files 0600: those made here explicitly, the rest (the
+# broker's, the logs') through a umask that this process keeps while it writes there;
+# PostgreSQL keeps its own files 0600 in its 0700 folder. Run as root, the embedded
+# server's user may search var/ (0710, scheduler_project.embedded), not read it.
 PRIVATE_DIR_MODE, PRIVATE_FILE_MODE = 0o700, 0o600
 if env.USES_VAR_DIR:
     os.umask(0o077)
 VAR_DIR.mkdir(parents=True, exist_ok=True, mode=PRIVATE_DIR_MODE)
-VAR_DIR.chmod(PRIVATE_DIR_MODE)  # also an older installation's, made before this rule
+# Also an older installation's, made before this rule.
+VAR_DIR.chmod(PRIVATE_DIR_MODE | (VAR_DIR.stat().st_mode & 0o010))
 
 
 def _secret_key() -> str:
@@ -113,18 +120,21 @@ TEMPLATES = [
 ]
 
 
-def _database(url: str) -> dict:
-    config = dj_database_url.parse(url, conn_max_age=60, conn_health_checks=True)
-    if config["ENGINE"] == "django.db.backends.sqlite3":
-        # Several processes share the file: WAL lets readers run beside the writer, and
-        # IMMEDIATE transactions take the write lock up front instead of failing later.
-        config["CONN_MAX_AGE"] = 0
-        config["OPTIONS"] = {
-            "init_command": "PRAGMA journal_mode=WAL; PRAGMA synchronous=NORMAL;",
-            "transaction_mode": "IMMEDIATE",
-            "timeout": 30,
-        }
-    elif config["ENGINE"] == "django.db.backends.postgresql":
+def embedded_database(data_dir: Path) -> dict:
+    """The embedded PostgreSQL whose data is in `data_dir`, over its Unix socket; its
+    backend starts it when a connection finds it stopped (scheduler_project.embedded)."""
+    server = EmbeddedPostgres(data_dir)
+    return _database(
+        f"postgres://{embedded.SUPERUSER}@{quote(str(server.socket_dir), safe='')}"
+        f":{embedded.PORT}/{embedded.DATABASE}",
+        ENGINE="scheduler_project.embedded",
+        EMBEDDED_DATA_DIR=str(data_dir),
+    )
+
+
+def _database(url: str, **overrides) -> dict:
+    config = dj_database_url.parse(url, conn_max_age=60, conn_health_checks=True) | overrides
+    if config["ENGINE"].startswith(("django.db.backends.postgresql", "scheduler_project")):
         config["OPTIONS"] = {
             # A peer that vanished (a partitioned or frozen worker) is found within about
             # a minute, and a session left idle inside a transaction (a handler frozen in a
@@ -141,13 +151,11 @@ def _database(url: str) -> dict:
     return config
 
 
-DATABASES = {"default": _database(env.DATABASE_URL)}
-if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
-    # An older installation's database (and its WAL files), made before var/ was private.
-    for _suffix in ("", "-wal", "-shm"):
-        _file = Path(f"{DATABASES['default']['NAME']}{_suffix}")
-        if _file.exists():
-            _file.chmod(PRIVATE_FILE_MODE)
+DATABASES = {
+    "default": _database(env.DATABASE_URL)
+    if env.DATABASE_URL
+    else embedded_database(VAR_DIR / "postgres")
+}
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
 AUTH_PASSWORD_VALIDATORS = [

@@ -5,7 +5,8 @@ import os
 from pathlib import Path
 
 BASE_DIR = Path(__file__).resolve().parent.parent.parent
-# Embedded defaults keep their files here (SQLite database, filesystem broker).
+# Embedded defaults keep their files here (the embedded PostgreSQL's data, the filesystem
+# broker), with the secret key and run logs.
 VAR_DIR = Path(os.environ.get("SCHEDULER_VAR_DIR", BASE_DIR / "var"))
 
 
@@ -52,11 +53,12 @@ def env_days(name: str, default: str) -> float:
     return days
 
 
-DATABASE_URL = env_str("DATABASE_URL", f"sqlite:///{VAR_DIR / 'scheduler.sqlite3'}")
+# Empty: the embedded PostgreSQL in var/postgres (scheduler_project.embedded).
+DATABASE_URL = env_str("DATABASE_URL", "")
 CELERY_BROKER_URL = env_str("CELERY_BROKER_URL", "filesystem://")
 # On embedded defaults (a database or a broker under var/), every file the process
 # writes is its owner's only (settings.base).
-USES_VAR_DIR = DATABASE_URL.startswith("sqlite") or CELERY_BROKER_URL.startswith("filesystem")
+USES_VAR_DIR = not DATABASE_URL or CELERY_BROKER_URL.startswith("filesystem")
 DJANGO_SECRET_KEY = os.environ.get("DJANGO_SECRET_KEY", "")
 DJANGO_DEBUG = env_bool("DJANGO_DEBUG", False)
 DJANGO_ALLOWED_HOSTS = env_list("DJANGO_ALLOWED_HOSTS") or ["localhost", "127.0.0.1", "[::1]"]
