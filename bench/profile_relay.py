@@ -1,9 +1,9 @@
 """Relay benchmark and profile: how fast `relay_run_once` empties an outbox of N pending rows.
 
-    .venv/bin/python bench/profile_relay.py --rows 10000 [--batch-size 1000] [--relays 2]
-    .venv/bin/python bench/profile_relay.py --rows 10000 --profile 25   # + cProfile's top 25
-    .venv/bin/python bench/profile_relay.py --latency 200   # one row at a time, idle relay
-    .venv/bin/python bench/profile_relay.py --feed --rows 20000 --relays 2   # while written
+    .venv/bin/python -m bench.profile_relay --rows 10000 [--batch-size 1000] [--relays 2]
+    .venv/bin/python -m bench.profile_relay --rows 10000 --profile 25   # + cProfile's top 25
+    .venv/bin/python -m bench.profile_relay --latency 200   # one row at a time, idle relay
+    .venv/bin/python -m bench.profile_relay --feed --rows 20000 --relays 2   # while written
 
 Creates a fresh PostgreSQL database and RabbitMQ vhost (dropped afterwards), writes N queued
 runs with their outbox rows (through jobs.outbox, as the scheduler does), then runs the
@@ -29,10 +29,8 @@ import multiprocessing
 import statistics
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import ROOT, bench_environment, print_profile  # noqa: E402
+from bench.common import ROOT, bench_environment, print_profile
 
 # The bench's runs are manual (no occurrence to be unique on): they travel in the manual
 # lane of `jobs` (jobs/lanes.py).
@@ -223,7 +221,11 @@ def latency(trials: int, env: dict) -> list[float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.profile_relay",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--rows", type=int, default=10_000)
     parser.add_argument("--batch-size", type=int, default=None, help="the relay's default")
     parser.add_argument("--relays", type=int, default=1)

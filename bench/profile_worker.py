@@ -1,7 +1,7 @@
 """Profile of the worker path: one Celery worker (`--pool=solo`, so every task runs in the
 profiled main thread) under cProfile, over `--jobs` runs of a no-op job.
 
-    .venv/bin/python bench/profile_worker.py --jobs 2000 --output bench/results/profile.txt
+    .venv/bin/python -m bench.profile_worker --jobs 2000 --output var/bench/profile.txt
 
 A real scheduler and relay feed it (a fresh database and vhost, dropped afterwards); the
 jobs are due at one instant, so the worker is never idle for long. Prints, per run, how
@@ -22,9 +22,7 @@ import sys
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-from common import (  # noqa: E402
+from bench.common import (
     ROOT,
     Stack,
     bench_environment,
@@ -47,7 +45,11 @@ COUNTED = [
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.profile_worker",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--jobs", type=int, default=2000)
     parser.add_argument("--top", type=int, default=45)
     parser.add_argument("--timeout", type=float, default=1800)

@@ -12,8 +12,8 @@ import datetime as dt
 import random
 import time
 
-from bare_celery import bare_celery_burst
-from common import (
+from bench.bare_celery import bare_celery_burst
+from bench.common import (
     Stack,
     bench_owner,
     bench_task,
