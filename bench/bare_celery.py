@@ -4,7 +4,7 @@ A plain Celery app (no Django, no database) whose task does nothing but note whe
 started. Its workers get the options the product's workers get (JSON, persistent messages,
 prefetch 1, the same pool, count and concurrency), so the ratio of the two measures what
 the product adds: durable runs, leases, outcomes, logs. Acknowledgement is late by default
-(issue 10 defines the baseline so; `acks_late=False` matches the product's early acks).
+(the baseline's definition; `acks_late=False` matches the product's early acks).
 
     celery -A bench.bare_celery worker -Q bare   # started by `bare_celery_burst`, from the root
 """

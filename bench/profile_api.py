@@ -2,14 +2,14 @@
 
     .venv/bin/python -m bench.profile_api --requests 2000 [--profile 30] [--no-keys]
     .venv/bin/python -m bench.profile_api --bulk 1000 --requests 5   # POST /jobs/bulk/
-    .venv/bin/python -m bench.profile_api --preview --requests 2000  # bench/api.py's DRF floor
+    .venv/bin/python -m bench.profile_api --preview --requests 2000  # bench.api's DRF floor
 
 Creates a fresh PostgreSQL database (dropped afterwards), then sends N creations through
 Django's full request cycle (middleware, DRF, the database) with Django's test client, in
 this process and without HTTP, and prints requests/s of that process alone. `--profile`
 repeats them under cProfile and prints the functions that took the most time (cProfile
 slows Python down: the rate without it is the figure). The HTTP figure, with gunicorn and
-concurrent clients, is bench/api.py's.
+concurrent clients, is bench.api's.
 """
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ def main() -> None:
     parser.add_argument("--profile", type=int, default=0, help="print cProfile's top N")
     parser.add_argument("--no-keys", dest="keys", action="store_false")
     parser.add_argument("--bulk", type=int, default=0, help="POST /jobs/bulk/ of this size")
-    parser.add_argument("--preview", action="store_true", help="the DRF floor (bench/api.py)")
+    parser.add_argument("--preview", action="store_true", help="the DRF floor (bench.api)")
     args = parser.parse_args()
     with bench_environment("bench_profile_api", task_modules="tests.sample_tasks"):
         import datetime as dt

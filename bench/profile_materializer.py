@@ -12,7 +12,7 @@
 - `precision`: one scheduler replica on an idle database; one one-time job at a time, due
   a few hundred ms after it is created; prints the discovery lag over the trials.
 
-Each mode makes a fresh PostgreSQL database (bench/common.py), dropped afterwards. The
+Each mode makes a fresh PostgreSQL database (bench.common), dropped afterwards. The
 jobs are written in bulk, as `jobs.services.job_create` writes them (job, first version),
 so creating 10,000 takes seconds, not minutes; `precision` creates its jobs through
 `job_create` itself, whose NOTIFY is part of what it measures.

@@ -7,7 +7,7 @@
     .venv/bin/python -m bench.replicas worker --runs 4000       # a worker's database path
 
 One process does the work of one replica, in this process, on a fresh database and vhost
-(bench/common.py), alternating with its floor `--repeat` times (medians are reported):
+(bench.common), alternating with its floor `--repeat` times (medians are reported):
 - scheduler: `scheduler_run_once` passes over a backlog of `--jobs` one-time jobs due now
   until none is left: runs (with their outbox rows) created per second. Floor: the same
   rows written by PostgreSQL alone, one INSERT ... SELECT a batch of 500 (the claim, the

@@ -1,4 +1,4 @@
-"""The benchmark harness: every workload of issue 10, on the real stack, in one command.
+"""The benchmark harness: every workload of docs/benchmarks.md, on the real stack, in one command.
 
     .venv/bin/python -m bench.run w1 --jobs 10000     # burst: N one-time jobs due at once
     .venv/bin/python -m bench.run w2 --jobs 1000 --minutes 3   # steady cron, every minute
@@ -11,7 +11,7 @@
 Each invocation makes a fresh PostgreSQL database and RabbitMQ vhost (dropped afterwards)
 and starts real scheduler, relay and Celery worker processes (`--schedulers`, `--relays`,
 `--workers`, `--concurrency`, `--pool`). W1 also drains as many no-op tasks through bare
-Celery (bench/bare_celery.py: same broker, pool, workers and concurrency, late acks) in
+Celery (bench.bare_celery: same broker, pool, workers and concurrency, late acks) in
 the same run, and prints the ratio: on a shared, noisy machine the ratio is the figure to
 quote. `--repeat K` runs everything K times and reports medians. Prints a table and writes
 everything measured to var/bench/<UTC timestamp>.json (`--output` to choose).
@@ -101,7 +101,7 @@ def fmt(value, unit: str = "") -> str:
 
 
 def rows(name: str, r: dict) -> list[tuple[str, str, str, str, str]]:
-    """(figure, product, bare Celery, ratio, issue 10's target) for the table."""
+    """(figure, product, bare Celery, ratio, target) for the table."""
     if name == "w1":
         b = r["bare"]
         out = [

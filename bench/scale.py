@@ -1,7 +1,7 @@
 """Costs that grow with due work only: a scheduler pass with 1,000,000 jobs of which 100
-are due, against the same pass with 1,000 jobs, in one run (issue 11).
+are due, against the same pass with 1,000 jobs, in one run (docs/scale.md).
 
-    .venv/bin/python -m bench.scale --jobs 1000000     # the issue's figure (~5 min here)
+    .venv/bin/python -m bench.scale --jobs 1000000     # docs/scale.md's figure (~5 min here)
     .venv/bin/python -m bench.scale --quick            # 1,000 against 50,000: a check (~1 min)
 
 Two databases of the product, the same in everything but their size:

@@ -1,4 +1,4 @@
-"""The workloads of `bench/run.py`; each returns a dict of figures (seconds, runs/s).
+"""The workloads of `bench.run`; each returns a dict of figures (seconds, runs/s).
 
 Every figure comes from the product's own records (the Run rows' stage timestamps, written
 with the database's clock) or, for bare Celery, from its tasks' start times; both clocks
