@@ -117,10 +117,6 @@ class PendingMessage:
     owner_id: object = None
 
 
-# The columns claimed, the owner's id last (dispatch.shares adds it).
-PENDING_FIELDS = [field.name for field in dataclasses.fields(PendingMessage)][:-1]
-
-
 class BrokerUnconfirmed(ConnectionError):
     """The broker nacked the batch or did not confirm it in time; the rows stay pending."""
 
@@ -497,9 +493,7 @@ def _relay_queue(
         found = turns.owners(queue)
         allowed, limited = allowances(found, default_limit=config.owner_max_active_runs)
         owners = list(found)
-        rows = claim_shares(queue, room=limit, owners=owners, allowed=allowed,
-                            fields=PENDING_FIELDS)  # fmt: skip
-        messages = [PendingMessage(*row) for row in rows]
+        messages = claim_shares(queue, room=limit, owners=owners, allowed=allowed)
         # An owner that got all it was allowed (at its limit now) may have more waiting.
         claimed = collections.Counter(message.owner_id for message in messages)
         owners_held = any(
