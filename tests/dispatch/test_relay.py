@@ -11,15 +11,11 @@ from celery import current_app
 from django.conf import settings
 from kombu import Connection
 
-from dispatch.relay import (
-    ConfirmingPublisher,
-    PendingMessage,
-    RelayConfig,
-    published_at_text,
-    relay_run_once,
-)
+from dispatch.broker import ConfirmingPublisher, published_at_text, queues_declare
+from dispatch.relay import RelayConfig, relay_run_once
 from dispatch.scheduler import SchedulerConfig, scheduler_run_once
 from jobs.models import OutboxMessage, OutboxState, Run
+from storage.outbox import PendingMessage
 from tests.factories import run_snapshot
 from tests.processes import purge_queue, wait_for
 
@@ -271,8 +267,6 @@ def test_a_queue_the_broker_refuses_holds_back_only_its_own_messages(make_job, r
 
 
 def test_the_relay_declares_the_allowed_queues_and_reports_a_refused_one(refused_queue):
-    from dispatch.relay import queues_declare
-
     publisher = ConfirmingPublisher(
         settings.CELERY_BROKER_URL, settings.CELERY_BROKER_TRANSPORT_OPTIONS
     )

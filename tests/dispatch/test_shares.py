@@ -9,9 +9,10 @@ import pytest
 from django.conf import settings
 from django.db import connection
 
+from dispatch.broker import ConfirmingPublisher
 from dispatch.promoter import PromoterConfig, promoter_run_once
 from dispatch.reconciler import ReconcileConfig, reconcile_run_once
-from dispatch.relay import ConfirmingPublisher, RelayConfig, relay_run_once
+from dispatch.relay import RelayConfig, relay_run_once
 from dispatch.scheduler import SchedulerConfig, scheduler_run_once
 from dispatch.shares import OwnerTurns, shares
 from jobs.models import ActiveRun, FailureReason, OutboxMessage, OwnerLimit, Run, RunState
