@@ -50,6 +50,7 @@ from jobs.outbox import outbox_enqueue_runs, run_lane_queue
 from jobs.retry import retry_decision
 from jobs.transitions import run_count_republish, run_end_orphan, run_give_up
 
+from .broker import queue_depth
 from .config import config_require
 from .loop import BROKER_ERRORS
 from .shares import MAX_QUEUES, owner_at_limit
@@ -400,7 +401,7 @@ class BrokerQueueDepth:
         try:
             self.connection.ensure_connection(max_retries=1)
             with self.connection.channel() as channel:
-                return channel.queue_declare(queue=queue, passive=True).message_count
+                return queue_depth(channel, queue)
         except BROKER_ERRORS as exc:
             if "NOT_FOUND" in str(exc) or "404" in str(exc):
                 return 0  # no such queue: nothing can be waiting in it
