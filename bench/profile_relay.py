@@ -89,7 +89,8 @@ def drain(batch_size: int) -> int:
     """Run relay steps until the outbox is empty; the rows this process published."""
     from django.conf import settings
 
-    from dispatch.relay import ConfirmingPublisher, RelayConfig, relay_run_once
+    from dispatch.broker import ConfirmingPublisher
+    from dispatch.relay import RelayConfig, relay_run_once
     from jobs.clock import db_now
 
     # No high-water mark: the bench measures publishing into a queue no worker drains.

@@ -331,7 +331,8 @@ def relay_product(count: int, publisher) -> dict:
 
 
 def relay_floor(messages: list, publisher) -> dict:
-    from dispatch.relay import RelayConfig, published_at_text
+    from dispatch.broker import published_at_text
+    from dispatch.relay import RelayConfig
 
     batch = RelayConfig().batch_size
 
@@ -356,7 +357,8 @@ def purge() -> None:
 def mode_relay(args, names: Names) -> dict:
     from django.conf import settings
 
-    from dispatch.relay import ConfirmingPublisher, PendingMessage
+    from dispatch.broker import ConfirmingPublisher
+    from storage.outbox import PendingMessage
 
     out = {}
     publisher = ConfirmingPublisher(

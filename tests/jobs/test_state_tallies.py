@@ -19,7 +19,8 @@ from django.test.utils import CaptureQueriesContext
 
 from dispatch.promoter import PromoterConfig, promoter_run_once
 from dispatch.pruner import PrunerConfig, pruner_run_once
-from dispatch.relay import ConfirmingPublisher, RelayConfig, relay_run_once
+from dispatch.broker import ConfirmingPublisher
+from dispatch.relay import RelayConfig, relay_run_once
 from jobs.models import Job, JobState, OutboxMessage, Run, RunState, Tally
 from jobs.transitions import attempt_fail, attempt_succeed, attempts_succeed, run_claim
 from tests.factories import api_run_cancel, api_run_replay, scheduler_pass
