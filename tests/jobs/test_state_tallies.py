@@ -17,9 +17,9 @@ from django.db.migrations.executor import MigrationExecutor
 from django.db.models import Count
 from django.test.utils import CaptureQueriesContext
 
+from dispatch.broker import ConfirmingPublisher
 from dispatch.promoter import PromoterConfig, promoter_run_once
 from dispatch.pruner import PrunerConfig, pruner_run_once
-from dispatch.broker import ConfirmingPublisher
 from dispatch.relay import RelayConfig, relay_run_once
 from jobs.models import Job, JobState, OutboxMessage, Run, RunState, Tally
 from jobs.transitions import attempt_fail, attempt_succeed, attempts_succeed, run_claim
