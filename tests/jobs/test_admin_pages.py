@@ -11,7 +11,7 @@ import pytest
 from django.contrib.auth import get_user_model
 from django.contrib.auth.models import Permission
 
-from jobs.admin_pages import duration, run_stages, schedule_words
+from jobs.admin.pages import duration, run_stages, schedule_words
 from jobs.clock import db_now
 from jobs.models import AuditEvent, Job, JobVersion
 from jobs.services import attempt_record_failure, job_cancel
