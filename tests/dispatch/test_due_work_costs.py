@@ -20,7 +20,7 @@ from dispatch.reconciler import ReconcileConfig, _oldest_stuck, _window, reconci
 from dispatch.scheduler import SchedulerConfig, scheduler_run_once
 from jobs.models import Job, JobVersion, Run, RunState
 from jobs.selectors import oldest_pending_outbox
-from jobs.services import LATEST_FINISHED
+from storage.jobs import LATEST_FINISHED
 from tests.factories import make_job, publish
 
 pytestmark = [
