@@ -24,7 +24,7 @@ def tallies_sum(*, names: Sequence[str]) -> list[TallySum]:
     dozen rows however many events they count (tally_unique's index). Reads in the
     caller's transaction (one snapshot for all names); takes no lock."""
     rows = fetch_all(
-        "SELECT name, labels, SUM(count)::bigint, SUM(total) FROM jobs_tally "
+        'SELECT name, labels, SUM(count)::bigint, SUM(total) FROM "jobs_tally" '
         "WHERE name = ANY(%s) GROUP BY name, labels",
         [list(names)],
     )

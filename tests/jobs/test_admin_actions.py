@@ -1,4 +1,4 @@
-"""The admin's actions (jobs/admin_actions.py): each through the API's service, audited
+"""The admin's actions (jobs/admin/actions.py): each through the API's service, audited
 with the operator, with honest counts and the reason of every refusal, gated by the
 models' permissions."""
 

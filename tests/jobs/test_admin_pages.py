@@ -1,6 +1,6 @@
 """The admin's job and run pages: creating and editing a job through the API's validation
-(jobs/admin_forms.py), the schedule in words with its next fires, recent runs and history,
-and the run's timeline with its attempts (jobs/admin_pages.py)."""
+(jobs/admin/forms.py), the schedule in words with its next fires, recent runs and history,
+and the run's timeline with its attempts (jobs/admin/pages.py)."""
 
 from __future__ import annotations
 
