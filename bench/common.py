@@ -203,7 +203,7 @@ def bench_owner():
 
 
 def validated_spec(body: dict) -> dict:
-    from jobs.validation import JobSpecSerializer
+    from jobs.api.validation import JobSpecSerializer
 
     spec = JobSpecSerializer(data=body)
     spec.is_valid(raise_exception=True)

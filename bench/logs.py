@@ -41,9 +41,9 @@ def run_logs_bench(args, env: dict, workdir: Path) -> None:
     from django.contrib.auth import get_user_model
 
     from dispatch.commands import worker_argv
+    from jobs.api.validation import JobSpecSerializer
     from jobs.models import Run, RunState
     from jobs.services import job_create
-    from jobs.validation import JobSpecSerializer
     from logs_app.models import LogManifest
 
     processes: list[subprocess.Popen] = []

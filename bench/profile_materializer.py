@@ -43,7 +43,7 @@ def quantiles(values: list[float]) -> str:
 
 
 def one_time_spec(run_at: dt.datetime, **overrides) -> dict:
-    from jobs.validation import JobSpecSerializer
+    from jobs.api.validation import JobSpecSerializer
 
     serializer = JobSpecSerializer(
         data={

@@ -45,11 +45,11 @@ def fill_outbox(rows: int, chunk: int = 5000) -> None:
     from django.contrib.auth import get_user_model
     from django.db import transaction
 
+    from jobs.api.validation import JobSpecSerializer
     from jobs.clock import db_now
     from jobs.models import Job, Run, RunKind, RunState
     from jobs.outbox import outbox_enqueue_runs
     from jobs.services import job_create
-    from jobs.validation import JobSpecSerializer
 
     owner = get_user_model().objects.get_or_create(username="bench")[0]
     now = db_now()

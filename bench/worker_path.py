@@ -41,10 +41,10 @@ def measure(args) -> None:
 
     from dispatch.runtime import run_execute_deliveries, run_execute_delivery
     from dispatch.scheduler import SchedulerConfig, scheduler_run_once
+    from jobs.api.validation import JobSpecSerializer
     from jobs.clock import db_now
     from jobs.models import Run, RunState
     from jobs.services import job_create
-    from jobs.validation import JobSpecSerializer
 
     owner = get_user_model().objects.create_user("bench")
     now = db_now()

@@ -8,9 +8,11 @@ import time
 
 from django.conf import settings
 from django.contrib.auth.models import AbstractBaseUser
-from django.db import connection, transaction
-from django.db.models import F, Max, Q, Window
-from django.db.models.functions import RowNumber
+from django.db import transaction
+from django.db.models import Max, Q
+
+from storage.jobs import jobs_latest_finished_runs
+from storage.rows import rows_insert
 
 from . import keys
 from .audit import audit_event, audit_record
@@ -20,7 +22,6 @@ from .models import AttemptState, Job, JobState, JobVersion, Run, RunKind, RunSt
 from .notify import CHANNEL_SCHEDULE, notify
 from .outbox import outbox_discard_pending, outbox_enqueue_runs
 from .retry import retry_decision
-from .rows import rows_insert
 from .schedules import job_first_fire, job_next_fire, job_resume_point
 from .transitions import (
     ACTIVE_RUN_STATES,
@@ -114,14 +115,14 @@ def job_create_bulk(
         for spec, first in zip(specs, first_fires, strict=True)
     ]  # fmt: skip
     with transaction.atomic(savepoint=False):
-        rows_insert(
+        rows_insert(groups=[
             jobs,
             [JobVersion(job=job, version=job.version, spec=job.spec, created_by=owner)
              for job in jobs],
             [audit_event(action="job.created", actor=owner, job_id=job.id,
                          data={"version": job.version, **({"bulk": True} if bulk else {})})
              for job in jobs],
-        )  # fmt: skip
+        ])  # fmt: skip
         firsts = [job.next_run_at for job in jobs if job.next_run_at is not None]
         if firsts:
             notify(CHANNEL_SCHEDULE, at=min(firsts))
@@ -486,55 +487,13 @@ def jobs_pause_if_failing(*, jobs: list[Job], now: dt.datetime) -> set:
     return paused
 
 
-# Per job, its latest `limit` finished runs since its last resume, newest first: a backward
-# walk of run_job_finished_idx that stops after `limit` rows, whatever the job's history.
-LATEST_FINISHED = f"""
-SELECT limits.job_id, latest.state
-  FROM unnest(%(jobs)s::uuid[], %(limits)s::int[]) AS limits(job_id, n)
-  JOIN {Job._meta.db_table} j ON j.id = limits.job_id
- CROSS JOIN LATERAL (
-       SELECT r.state FROM {Run._meta.db_table} r
-        WHERE r.job_id = limits.job_id AND r.state IN ('failed', 'succeeded')
-          AND r.finished_at IS NOT NULL
-          AND (j.resumed_at IS NULL OR r.finished_at > j.resumed_at)
-        ORDER BY r.finished_at DESC, r.id DESC
-        LIMIT limits.n) AS latest"""
-
-
 def _latest_finished_runs(limits: dict) -> tuple[dict, set]:
     """(job id -> failed runs among its latest `limits[job]` finished ones, the jobs of
     which one of those succeeded)."""
     failed, other = dict.fromkeys(limits, 0), set()
-    if connection.vendor == "postgresql":
-        with connection.cursor() as cursor:
-            cursor.execute(LATEST_FINISHED, {"jobs": list(limits), "limits": list(limits.values())})
-            for job_id, state in cursor.fetchall():
-                if state == RunState.FAILED:
-                    failed[job_id] += 1
-                else:
-                    other.add(job_id)
-        return failed, other
-    last_first = Window(
-        RowNumber(),
-        partition_by=[F("job_id")],
-        order_by=[F("finished_at").desc(), F("id").desc()],
-    )
-    finished = (
-        Run.objects.filter(
-            job_id__in=list(limits),
-            state__in=[RunState.SUCCEEDED, RunState.FAILED],
-            finished_at__isnull=False,
-        )
-        .filter(Q(job__resumed_at=None) | Q(finished_at__gt=F("job__resumed_at")))
-        .annotate(last=last_first)
-        .filter(last__lte=max(limits.values()))
-        .values_list("job_id", "state", "last")
-    )
-    failed, other = dict.fromkeys(limits, 0), set()
-    for job_id, state, last in finished:
-        if last <= limits[job_id]:
-            if state == RunState.FAILED:
-                failed[job_id] += 1
-            else:
-                other.add(job_id)
+    for job_id, state in jobs_latest_finished_runs(limits=limits):
+        if state == RunState.FAILED:
+            failed[job_id] += 1
+        else:
+            other.add(job_id)
     return failed, other

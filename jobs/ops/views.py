@@ -5,7 +5,7 @@ The probes answer anonymously with a bare status (SPEC, "Security"); the details
 `SCHEDULER_METRICS_TOKEN`."""
 
 from django.conf import settings
-from django.db import DatabaseError, connection
+from django.db import DatabaseError
 from django.http import HttpResponse, JsonResponse
 from drf_spectacular.utils import extend_schema
 from kombu import Connection
@@ -20,8 +20,10 @@ from rest_framework.decorators import (
 )
 from rest_framework.settings import api_settings
 
+from storage.metrics import database_ping
+
+from ..roles import IsOperatorOrMetricsToken, user_is_operator
 from .metrics import DatabaseCollector
-from .roles import IsOperatorOrMetricsToken, user_is_operator
 
 
 def probe(view):
@@ -44,8 +46,7 @@ def readyz(request):
     `{"status": "unavailable"}`; an operator also gets each check, with its error."""
     checks = {}
     try:
-        with connection.cursor() as cursor:
-            cursor.execute("SELECT 1")
+        database_ping()
         checks["database"] = "ok"
     except Exception as exc:  # noqa: BLE001 - reported, not raised
         checks["database"] = f"error: {exc}"

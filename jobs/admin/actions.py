@@ -3,7 +3,7 @@
 
 Each goes through the service the API calls, with the operator as the actor of its audit
 event, and reports honest counts: the selection is read once, before anything changes, and
-every refusal says why (the API's 409 wording, `jobs.refusals`). Each action needs its
+every refusal says why (the API's 409 wording, `jobs.api.refusals`). Each action needs its
 model permission (`jobs.pause_job` ..., see the models' Meta), checked by the admin.
 """
 
@@ -21,12 +21,12 @@ from django.template.response import TemplateResponse
 from django.utils.http import url_has_allowed_host_and_scheme
 from rest_framework import serializers
 
-from .admin_forms import validation_messages
-from .clock import db_now
-from .models import Job
-from .refusals import refusal, schedule_refusal
-from .schedules import ScheduleError
-from .services import (
+from ..api.refusals import refusal, schedule_refusal
+from ..api.validation import BackfillSerializer, backfill_instants
+from ..clock import db_now
+from ..models import Job
+from ..schedules import ScheduleError
+from ..services import (
     job_backfill,
     job_cancel,
     job_pause,
@@ -35,7 +35,7 @@ from .services import (
     run_cancel_request,
     run_replay_request,
 )
-from .validation import BackfillSerializer, backfill_instants
+from .forms import validation_messages
 
 # One action acts on at most this many objects; a larger selection changes nothing.
 MAX_SELECTED = 1000

@@ -10,11 +10,11 @@ import json
 from cron_descriptor import ExpressionDescriptor, Options
 from django.urls import reverse
 
-from . import schedules
-from .models import Attempt, Job, Run
-from .redaction import redact, redact_value
-from .selectors import job_history, run_history
-from .services import job_is_editable
+from .. import schedules
+from ..models import Attempt, Job, Run
+from ..redaction import redact, redact_value
+from ..selectors import job_history, run_history
+from ..services import job_is_editable
 
 NEXT_FIRES = 10
 RECENT_RUNS = 20

@@ -1,44 +1,40 @@
 """/metrics: read at scrape time from the database, so every process's events are counted.
 
 Counters come from the durable `Counter` table; the stage lags, the run duration and the
-attempts by outcome from `Tally`, which the database's triggers keep as the events commit
-(jobs/migrations/0008_tally.py), so they are histograms and counters that pruning never
-lowers. On PostgreSQL the runs by state and the outbox backlog are tallies too
-(jobs/migrations/0020_state_tallies.py), so a scrape costs the same however many runs are
-kept; the other gauges are computed from a few rows by index.
+attempts by outcome from the tallies the database's triggers keep as the events commit
+(storage.metrics.tallies_sum reads them), so they are histograms and counters that pruning
+never lowers. The runs by state and the outbox backlog are tallies too
+(jobs.selectors.runs_by_state_and_backlog), so a scrape costs the same however many runs
+are kept; the other gauges are computed from a few rows by index.
 """
 
 from __future__ import annotations
 
 import datetime as dt
-import re
 from collections import defaultdict
 
 from django.conf import settings
-from django.db import connection, transaction
-from django.db.models import Count, Min, Sum
-from django.db.models.functions import Coalesce, Greatest
+from django.db.models import Count
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
-from .clock import CLOCK_SKEW_EXPIRY, db_now
-from .models import (
+from storage.metrics import tallies_sum
+
+from ..clock import CLOCK_SKEW_EXPIRY, db_now
+from ..models import (
     AttemptState,
     Counter,
-    Job,
-    JobState,
-    OutboxMessage,
-    OutboxState,
     PartitionLease,
     ProcessClock,
-    Run,
     RunState,
     SchedulerReplica,
-    Tally,
 )
-from .retention import DEAD_LETTER_PRUNED
-
-# The key of runs_by_state_and_backlog's count of failed runs pruned (not a run state).
-PRUNED_FAILED = "pruned_failed"
+from ..selectors import (
+    LABEL,
+    PRUNED_FAILED,
+    oldest_overdue_seconds,
+    oldest_pending_outbox,
+    runs_by_state_and_backlog,
+)
 
 # name -> (help, label names). A Counter row's labels are stored as `kind="effect"`.
 COUNTERS = {
@@ -63,8 +59,6 @@ COUNTERS = {
 # while empty, so every histogram has the same series from its first scrape.
 BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
            300.0, 900.0, 3600.0, 21600.0, 86400.0)  # fmt: skip
-LABEL = re.compile(r'(\w+)="([^"]*)"')
-RUN_TALLY, BACKLOG_TALLY = "scheduler_runs", "scheduler_outbox_backlog"  # 0020's tallies
 STAGES = {
     "scheduler_discovery_lag_seconds": (
         "Due (or accepted, if later) -> run created queued, or released by the promoter."
@@ -75,71 +69,11 @@ STAGES = {
 }
 
 
-def oldest_overdue_seconds(*, now: dt.datetime, oldest_pending: dt.datetime | None = None) -> float:
-    """How long the oldest due work not yet handed to the broker has waited: a due
-    occurrence not yet materialized, counted from the job's acceptance (creation or
-    resume) when that came later, as the discovery lag is (a job dated 2020 is not six
-    years overdue; through job_due_idx's due range), or a run whose message waits in the
-    outbox (a queue at its high-water mark, an owner at its limit), counted from when it
-    became publishable. `oldest_pending`: that outbox row's created_at, when known."""
-    due_since = Greatest("next_run_at", "created_at", Coalesce("resumed_at", "created_at"))
-    oldest = Job.objects.filter(state=JobState.ACTIVE, next_run_at__lte=now).aggregate(
-        at=Min(due_since)
-    )["at"]
-    if oldest_pending is None:
-        oldest_pending = _oldest_pending_outbox()
-    waiting = [at for at in (oldest, oldest_pending) if at is not None]
-    return max(0.0, (now - min(waiting)).total_seconds()) if waiting else 0.0
-
-
-def _oldest_pending_outbox() -> dt.datetime | None:
-    """One probe of outbox_pending_age_idx, however long the backlog."""
-    return oldest_pending_outbox().first()
-
-
-def oldest_pending_outbox():
-    return (
-        OutboxMessage.objects.filter(state=OutboxState.PENDING)
-        .order_by("created_at")
-        .values_list("created_at", flat=True)
-    )
-
-
-def runs_by_state_and_backlog() -> tuple[dict[str, int], int]:
-    """(runs by state, outbox rows pending): on PostgreSQL the tallies the triggers keep,
-    summed over the shards (a few dozen rows, however many runs); on SQLite (embedded
-    defaults, small tables, no such triggers) counted from the rows. Under PRUNED_FAILED,
-    the failed runs retention deleted, read in the same snapshot as the failed runs
-    (scheduler_dead_letter_total must never go back)."""
-    if connection.vendor != "postgresql":
-        with transaction.atomic():  # one snapshot for the reads (SQLite's WAL)
-            runs = dict(Run.objects.values_list("state").annotate(count=Count("id")))
-            pruned = Tally.objects.filter(name=DEAD_LETTER_PRUNED).aggregate(n=Sum("count"))["n"]
-            runs[PRUNED_FAILED] = pruned or 0
-            return runs, OutboxMessage.objects.filter(state=OutboxState.PENDING).count()
-    rows = (
-        Tally.objects.filter(name__in=[RUN_TALLY, BACKLOG_TALLY, DEAD_LETTER_PRUNED])
-        .values_list("name", "labels")
-        .annotate(count=Sum("count"))
-    )
-    runs, backlog = {PRUNED_FAILED: 0}, 0
-    for name, labels, count in rows:
-        if name == BACKLOG_TALLY:
-            backlog = int(count)
-        elif name == DEAD_LETTER_PRUNED:
-            runs[PRUNED_FAILED] = int(count)
-        else:
-            runs[dict(LABEL.findall(labels))["state"]] = int(count)
-    return runs, backlog
-
-
 def _histograms() -> dict[str, tuple[list[tuple[str, float]], float]]:
     """Stage name -> (cumulative (le, count) buckets ending with +Inf, sum)."""
-    shares = Tally.objects.filter(name__in=list(STAGES)).values_list("name", "labels")
-    shares = shares.annotate(count=Sum("count"), total=Sum("total"))
     buckets: dict[str, dict[float, int]] = defaultdict(dict)
     sums: dict[str, float] = defaultdict(float)
-    for name, labels, count, total in shares:
+    for name, labels, count, total in tallies_sum(names=list(STAGES)):
         buckets[name][float(dict(LABEL.findall(labels))["le"])] = count
         sums[name] += total
     exported = {}
@@ -154,18 +88,14 @@ def _histograms() -> dict[str, tuple[list[tuple[str, float]], float]]:
 
 def _partition_families(now: dt.datetime):
     """The partition leases by holder, the partitions nobody holds, the live scheduler
-    replicas: a few rows each (as many as partitions and replicas). SQLite's single
-    scheduler holds every partition without leases."""
+    replicas: a few rows each (as many as partitions and replicas)."""
     partitions = settings.SCHEDULER_PARTITIONS
-    held = {}
-    replicas = 0
-    if connection.vendor == "postgresql":
-        held = dict(
-            PartitionLease.objects.filter(expires_at__gte=now, partition__lt=partitions)
-            .values_list("holder")
-            .annotate(count=Count("partition"))
-        )
-        replicas = SchedulerReplica.objects.filter(expires_at__gte=now).count()
+    held = dict(
+        PartitionLease.objects.filter(expires_at__gte=now, partition__lt=partitions)
+        .values_list("holder")
+        .annotate(count=Count("partition"))
+    )
+    replicas = SchedulerReplica.objects.filter(expires_at__gte=now).count()
     leases = GaugeMetricFamily(
         "scheduler_partition_leases",
         "Partitions whose lease each scheduler replica holds (holder: host:pid:suffix).",
@@ -177,7 +107,7 @@ def _partition_families(now: dt.datetime):
     yield GaugeMetricFamily(
         "scheduler_partitions_unheld",
         "Partitions whose lease no live replica holds: their due work waits meanwhile.",
-        value=partitions - sum(held.values()) if connection.vendor == "postgresql" else 0,
+        value=partitions - sum(held.values()),
     )
     yield GaugeMetricFamily(
         "scheduler_partition_replicas",
@@ -201,11 +131,9 @@ class DatabaseCollector:
         attempts = CounterMetricFamily(
             "scheduler_attempts", "Attempts finished, by outcome.", labels=["outcome"]
         )
-        finished = dict(
-            Tally.objects.filter(name="scheduler_attempts_total")
-            .values_list("labels")
-            .annotate(count=Sum("count"))
-        )
+        finished = {
+            tally.labels: tally.count for tally in tallies_sum(names=["scheduler_attempts_total"])
+        }
         for state in AttemptState.values:
             if state != AttemptState.RUNNING:
                 attempts.add_metric([state], finished.get(f'outcome="{state}"', 0))
@@ -219,7 +147,7 @@ class DatabaseCollector:
         yield GaugeMetricFamily(
             "scheduler_outbox_backlog", "Outbox rows not yet published.", value=backlog
         )
-        oldest_pending = _oldest_pending_outbox()
+        oldest_pending = oldest_pending_outbox().first()
         yield GaugeMetricFamily(
             "scheduler_outbox_oldest_pending_seconds",
             "Age of the oldest unpublished outbox row (alarm when it keeps growing).",

@@ -6,12 +6,9 @@ import json
 from django.contrib import admin, messages
 from django.utils.html import format_html
 
-from .admin_actions import JOB_ACTIONS, RUN_ACTIONS, action_buttons
-from .admin_forms import JobEditing
-from .admin_pages import job_page, run_page
-from .audit import audit_record
-from .clock import db_now
-from .models import (
+from ..audit import audit_record
+from ..clock import db_now
+from ..models import (
     OWNER_LIMIT_STATES,
     ActiveRun,
     ApiToken,
@@ -25,10 +22,13 @@ from .models import (
     OwnerLimit,
     Run,
 )
-from .redaction import redact, redact_value
-from .roles import user_is_operator
-from .services import job_is_editable
-from .tokens import tokens_revoke
+from ..redaction import redact, redact_value
+from ..roles import user_is_operator
+from ..services import job_is_editable
+from ..tokens import tokens_revoke
+from .actions import JOB_ACTIONS, RUN_ACTIONS, action_buttons
+from .forms import JobEditing
+from .pages import job_page, run_page
 
 
 def redacted_json(value) -> str:
@@ -53,7 +53,7 @@ class ReadOnlyAdmin(admin.ModelAdmin):
 
 
 class OperatorPage:
-    """A change page showing what `page(obj)` adds (jobs/admin_pages.py) and the buttons of
+    """A change page showing what `page(obj)` adds (jobs/admin/pages.py) and the buttons of
     the actions this user may take on the object."""
 
     def page(self, obj) -> dict:
@@ -69,7 +69,7 @@ class OperatorPage:
 
 @admin.register(Job)
 class JobAdmin(OperatorPage, JobEditing, admin.ModelAdmin):
-    """Created and edited through the API's validation and services (jobs/admin_forms.py);
+    """Created and edited through the API's validation and services (jobs/admin/forms.py);
     the page shows the schedule in words, next fires, recent runs and history."""
 
     list_display = ("name", "task", "owner", "state", "version", "next_run_at", "created_at")
@@ -102,7 +102,7 @@ class JobAdmin(OperatorPage, JobEditing, admin.ModelAdmin):
     def has_delete_permission(self, request, obj=None):
         return False  # the API's DELETE is a soft delete through job_delete
 
-    # The actions' permissions (jobs/admin_actions.py): the model's custom permissions.
+    # The actions' permissions (jobs/admin/actions.py): the model's custom permissions.
     def has_pause_permission(self, request):
         return request.user.has_perm("jobs.pause_job")
 

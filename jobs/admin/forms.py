@@ -17,13 +17,13 @@ from django.http import HttpResponseRedirect
 from django.template.response import TemplateResponse
 from rest_framework import serializers
 
-from .clock import db_now
-from .models import Job
-from .redaction import redact_value, unmask
-from .refusals import refusal
-from .registry import registered_task_names
-from .services import JobQuotaExceeded, job_create, job_is_editable, job_quota_check, job_update
-from .validation import job_patched_spec, job_spec_check
+from ..api.refusals import refusal
+from ..api.validation import job_patched_spec, job_spec_check
+from ..clock import db_now
+from ..models import Job
+from ..redaction import redact_value, unmask
+from ..registry import registered_task_names
+from ..services import JobQuotaExceeded, job_create, job_is_editable, job_quota_check, job_update
 
 EXAMPLE_BODY = {
     "name": "morning report",

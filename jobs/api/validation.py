@@ -15,9 +15,9 @@ from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
-from . import schedules
-from .registry import registered_task_names
-from .retry import DEFAULT_RETRY
+from .. import schedules
+from ..registry import registered_task_names
+from ..retry import DEFAULT_RETRY
 
 QUEUE_RE = re.compile(r"^[A-Za-z0-9_.:-]{1,100}$")
 MAX_LABELS = 32
