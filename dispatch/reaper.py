@@ -19,11 +19,12 @@ from django.db import OperationalError, connection, transaction
 from django.db.models import Q
 
 from jobs.models import Attempt, AttemptState
-from jobs.services import attempt_record_failure, attempt_release_unstarted
+from jobs.outcomes import Failure, attempts_record_failure
+from jobs.services import attempt_release_unstarted
 from jobs.transitions import attempt_abandon
 
 from .config import config_require
-from .runtime import HARD_TIME_LIMIT_GRACE
+from .worker.limits import HARD_TIME_LIMIT_GRACE
 
 log = logging.getLogger("dispatch.reaper")
 
@@ -120,17 +121,12 @@ def reaper_run_once(*, now: dt.datetime, config: ReaperConfig) -> ReaperResult:
         try:
             with transaction.atomic():
                 _bounded_lock_wait(config.lock_timeout_seconds)
-                outcome = attempt_record_failure(
-                    attempt=attempt,
-                    spec=run.job_version.spec,
-                    retry_base=run.retry_base,
-                    ended=ended,
-                    error=error,
-                    now=now,
-                    by="reaper",
-                    # Still expired when ended: a lease renewed since the read above wins.
-                    only_if=expired,
-                )
+                failure = Failure(attempt=attempt, spec=run.job_version.spec,
+                                  retry_base=run.retry_base, ended=ended, error=error)  # fmt: skip
+                # Still expired when ended: a lease renewed since the read above wins.
+                outcome = attempts_record_failure(
+                    failures=[failure], now=now, by="reaper", only_if=expired
+                )[attempt.id]
                 if outcome is None and attempt_abandon(attempt=attempt, now=now, error=error):
                     # Its run moved on without it (a bug or a hand edit): end it alone, or
                     # it would be read again on every pass.

@@ -50,8 +50,8 @@ from .config import config_require
 from .failpoints import failpoint
 from .loop import BROKER_ERRORS
 from .packing import outbox_packs, pack_time_limit
-from .runtime import HARD_TIME_LIMIT_GRACE, PACK_RUN_GRACE_SECONDS
 from .shares import MAX_QUEUES, OwnerTurns, allowances, claim_shares
+from .worker.limits import HARD_TIME_LIMIT_GRACE, PACK_RUN_GRACE_SECONDS
 
 log = logging.getLogger("dispatch.relay")
 # Placeholders of the exact length of what replaces them (a UUID's 36 characters; an
@@ -162,7 +162,7 @@ def packed_task_message(pack: list[PendingMessage], *, published_at: str):
             "timeout_seconds": first.timeout_seconds,
         },
         # Room per run for its limit, its grace, and the claim's and the outcome's retries
-        # through a database outage (dispatch.runtime).
+        # through a database outage (dispatch.worker).
         time_limit=pack_time_limit(
             first.timeout_seconds,
             len(pack),
