@@ -15,13 +15,14 @@ import datetime as dt
 import logging
 import time
 
-from django.db import OperationalError, connection, transaction
+from django.db import OperationalError, transaction
 from django.db.models import Q
 
 from jobs.models import Attempt, AttemptState
 from jobs.outcomes import Failure, attempts_record_failure
 from jobs.services import attempt_release_unstarted
 from jobs.transitions import attempt_abandon
+from storage.attempts import lock_timeout_set_local
 
 from .config import config_require
 from .worker.limits import HARD_TIME_LIMIT_GRACE
@@ -57,12 +58,6 @@ class ReaperResult:
     timed_out: int
     batch_full: bool
     released: int = 0  # reserved attempts of a lost pack that never started
-
-
-def _bounded_lock_wait(seconds: float) -> None:
-    if connection.vendor == "postgresql":
-        with connection.cursor() as cursor:
-            cursor.execute(f"SET LOCAL lock_timeout = '{int(seconds * 1000)}ms'")
 
 
 class OutageGrace:
@@ -120,7 +115,7 @@ def reaper_run_once(*, now: dt.datetime, config: ReaperConfig) -> ReaperResult:
         )
         try:
             with transaction.atomic():
-                _bounded_lock_wait(config.lock_timeout_seconds)
+                lock_timeout_set_local(seconds=config.lock_timeout_seconds)
                 failure = Failure(attempt=attempt, spec=run.job_version.spec,
                                   retry_base=run.retry_base, ended=ended, error=error)  # fmt: skip
                 # Still expired when ended: a lease renewed since the read above wins.
@@ -186,7 +181,7 @@ def _release(attempts: list[Attempt], *, now: dt.datetime, config: ReaperConfig)
     for attempt in attempts:
         try:
             with transaction.atomic():
-                _bounded_lock_wait(config.lock_timeout_seconds)
+                lock_timeout_set_local(seconds=config.lock_timeout_seconds)
                 if attempt_release_unstarted(
                     attempt=attempt, by="reaper",
                     error="its pack's worker was lost before its turn",
