@@ -108,7 +108,7 @@ def run_execute_delivery(
         return _refused(run_id=run_id, worker=worker, message_id=message_id)
     lease = LEASE_KEEPER.hold(attempt, attempt.run.job_version.spec["heartbeat_timeout_seconds"])
     try:
-        return execute(
+        return attempt_execute(
             attempt, lease, handler=handler, worker=worker, time_limit=time_limit,
             successes=successes,
         )  # fmt: skip
@@ -131,7 +131,7 @@ def _refused(*, run_id: str, worker: str, message_id: str) -> dict:
     return {"run_id": run_id, "outcome": "refused"}
 
 
-def execute(
+def attempt_execute(
     attempt: Attempt,
     lease: Lease,
     *,

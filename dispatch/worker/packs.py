@@ -15,7 +15,7 @@ from jobs.models import Attempt, AttemptState
 from jobs.services import attempt_release_unstarted
 from jobs.transitions import attempts_still_running, runs_reserve
 
-from .delivery import execute, published_at_of, run_execute_delivery
+from .delivery import attempt_execute, published_at_of, run_execute_delivery
 from .keeper import LEASE_KEEPER, Lease
 from .limits import PACK_RUN_GRACE_SECONDS, enforces_time_limits
 from .outage import adopting, with_database_retries
@@ -214,7 +214,7 @@ class Pack:
                 outcome = "cancelled" if ended == AttemptState.CANCELLED else "lost"
                 return {"run_id": run_id, "attempt": attempt.number, "outcome": outcome}
             attempt.started_at = self._started_at(attempt)
-            return execute(attempt, lease, handler=handler, worker=worker,
+            return attempt_execute(attempt, lease, handler=handler, worker=worker,
                             time_limit=time_limit, successes=successes)  # fmt: skip
         except BaseException:
             LEASE_KEEPER.release(lease)
