@@ -63,23 +63,23 @@ def ended_by(exc: BaseException) -> str:
 
 
 def failure_writer(*, run: Run, attempt: Attempt, exc: BaseException, worker: str, logs: dict):
+    """The write of a handler's failure (`jobs.outcomes`, its logs sealed with it), for
+    `with_database_retries`: the run's new state, or None when the attempt was stale."""
     error = redact("".join(traceback.format_exception(exc))[-8000:].replace("\x00", ""))
-    ended = ended_by(exc)
+    failure = Failure(
+        attempt=attempt,
+        spec=run.job_version.spec,
+        retry_base=run.retry_base,
+        ended=ended_by(exc),
+        error=error,
+        retryable=not isinstance(exc, NonRetryableError),
+    )
 
     def write() -> str | None:
         with transaction.atomic():
             now = db_now()
-            failure = Failure(
-                attempt=attempt,
-                spec=run.job_version.spec,
-                retry_base=run.retry_base,
-                ended=ended,
-                error=error,
-                retryable=not isinstance(exc, NonRetryableError),
-            )
-            outcome = attempts_record_failure(failures=[failure], now=now, by=f"worker:{worker}")[
-                attempt.id
-            ]
+            outcomes = attempts_record_failure(failures=[failure], now=now, by=f"worker:{worker}")
+            outcome = outcomes[attempt.id]
             if outcome is not None:
                 logs_seal(attempt=attempt, now=now, **logs)
         if (
