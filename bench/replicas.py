@@ -393,7 +393,7 @@ def mode_relay(args, names: Names) -> dict:
 
 
 def worker_product(run_ids: list[str], pack: int) -> dict:
-    from dispatch.runtime import run_execute_deliveries, run_execute_delivery
+    from dispatch.worker import run_execute_deliveries, run_execute_delivery
 
     published = dt.datetime.now(dt.UTC).isoformat()
 

@@ -311,7 +311,7 @@ def finish_published() -> int:
     product does at a run's end happens as it does in production. Returns how many."""
     from django.db import transaction
 
-    from dispatch.runtime import run_execute_delivery
+    from dispatch.worker import run_execute_delivery
     from jobs.clock import db_now
     from jobs.models import OutboxMessage
     from jobs.outbox import outbox_delete_published

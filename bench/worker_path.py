@@ -39,8 +39,8 @@ def measure(args) -> None:
     from django.db import connection
     from django.test.utils import CaptureQueriesContext
 
-    from dispatch.runtime import run_execute_deliveries, run_execute_delivery
     from dispatch.scheduler import SchedulerConfig, scheduler_run_once
+    from dispatch.worker import run_execute_deliveries, run_execute_delivery
     from jobs.api.validation import JobSpecSerializer
     from jobs.clock import db_now
     from jobs.models import Run, RunState

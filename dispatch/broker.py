@@ -31,7 +31,7 @@ from storage.outbox import PendingMessage
 
 from .loop import BROKER_ERRORS
 from .packing import outbox_packs, pack_time_limit
-from .runtime import HARD_TIME_LIMIT_GRACE, PACK_RUN_GRACE_SECONDS
+from .worker.limits import HARD_TIME_LIMIT_GRACE, PACK_RUN_GRACE_SECONDS
 
 log = logging.getLogger("dispatch.broker")
 # Placeholders of the exact length of what replaces them (a UUID's 36 characters; an
@@ -87,7 +87,7 @@ def packed_task_message(pack: list[PendingMessage], *, published_at: str):
             "timeout_seconds": first.timeout_seconds,
         },
         # Room per run for its limit, its grace, and the claim's and the outcome's retries
-        # through a database outage (dispatch.runtime).
+        # through a database outage (dispatch.worker).
         time_limit=pack_time_limit(
             first.timeout_seconds,
             len(pack),

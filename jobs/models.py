@@ -28,7 +28,7 @@ class RunState(models.TextChoices):
     """A run's lifecycle; each comment names the component that moves a run out of it."""
 
     PENDING = "pending"  # held back (jitter, buffer_one); dispatch.promoter queues it
-    QUEUED = "queued"  # outbox committed; the worker's claim (dispatch.runtime) runs it
+    QUEUED = "queued"  # outbox committed; the worker's claim (dispatch.worker) runs it
     RUNNING = "running"  # an attempt holds the lease; its outcome (worker, reaper) moves it
     RETRY_WAIT = "retry_wait"  # dispatch.promoter re-queues it at next_attempt_at
     SUCCEEDED = "succeeded"  # terminal
@@ -241,7 +241,7 @@ class Attempt(models.Model):
     # started_at + timeout_seconds: the worker stops the handler then; the reaper after.
     deadline_at = models.DateTimeField(null=True, blank=True)
     heartbeat_at = models.DateTimeField()
-    # None while the attempt is reserved with its pack (dispatch.runtime) and its handler
+    # None while the attempt is reserved with its pack (dispatch.worker) and its handler
     # has not been seen to start; the worker records the start with the outcome.
     started_at = models.DateTimeField(null=True, blank=True)
     finished_at = models.DateTimeField(null=True, blank=True)

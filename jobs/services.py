@@ -18,15 +18,13 @@ from . import keys
 from .audit import audit_event, audit_record
 from .clock import db_now
 from .counters import counter_increment
-from .models import AttemptState, Job, JobState, JobVersion, Run, RunKind, RunState
+from .models import Job, JobState, JobVersion, Run, RunKind, RunState
 from .notify import CHANNEL_SCHEDULE, notify
 from .outbox import outbox_discard_pending, outbox_enqueue_runs
-from .retry import retry_decision
 from .schedules import job_first_fire, job_next_fire, job_resume_point
 from .transitions import (
     ACTIVE_RUN_STATES,
     LIVE_JOB_STATES,
-    attempt_fail,
     attempt_release,
     job_mark_deleted,
     job_replace_spec,
@@ -138,58 +136,6 @@ def run_record_duplicate_delivery(*, run_id, worker: str, message_id: str) -> No
         counter_increment("scheduler_duplicate_deliveries_total")
 
 
-def attempt_record_failure(
-    *,
-    attempt,
-    spec: dict,
-    retry_base: int,
-    ended: str,
-    error: str,
-    now: dt.datetime,
-    by: str,
-    retryable: bool = True,
-    only_if: Q | None = None,
-) -> str | None:
-    """End a running attempt that did not succeed (`ended`: AttemptState.FAILED, TIMED_OUT
-    or LOST), and retry or fail its run by `jobs.retry.retry_decision`.
-
-    Returns the run's new state, or None when the attempt no longer held the current token
-    (a stale outcome: nothing changed). `by` names the component, for the run's history.
-    """
-    decision = retry_decision(spec=spec, attempt_number=attempt.number, retry_base=retry_base,
-                              ended=ended, retryable=retryable, now=now)  # fmt: skip
-    # No savepoint: a refused outcome writes nothing, so there is nothing to roll back.
-    with transaction.atomic(savepoint=False):
-        won = attempt_fail(
-            attempt=attempt,
-            now=now,
-            error=error,
-            retry_at=decision.retry_at,
-            reason=decision.failure_reason,
-            attempt_to=ended,
-            only_if=only_if,
-        )
-        if not won:
-            return None
-        if ended != AttemptState.FAILED:
-            # A lost or timed-out attempt is not the handler's own report: keep it visible.
-            retry_at = decision.retry_at
-            audit_record(action=f"attempt.{ended}", by=by, run_id=attempt.run_id,
-                         data={"attempt": attempt.number, "fencing_token": attempt.fencing_token,
-                               "retry_at": retry_at.isoformat() if retry_at else None,
-                               "failure_reason": decision.failure_reason})  # fmt: skip
-        if ended == AttemptState.LOST:
-            counter_increment("scheduler_lease_expired_total")
-        if decision.retry_at is not None:
-            # The promoter queues the retry at its instant.
-            notify(CHANNEL_SCHEDULE, at=decision.retry_at)
-        if decision.retry_at is None:
-            # After the commit, in its own transaction: pausing locks the job row, and doing
-            # it here (attempt and run locked) would invert the scheduler's job-then-run order.
-            transaction.on_commit(lambda: _pause_job_of_run_if_failing(attempt.run_id, now))
-    return RunState.RETRY_WAIT if decision.retry_at else RunState.FAILED
-
-
 def attempt_release_unstarted(*, attempt, by: str, error: str, only_if: Q | None = None) -> bool:
     """End a reserved attempt that never started, without charging it to the run's budget,
     and queue its run again through the promoter (`jobs.transitions.attempt_release`).
@@ -203,12 +149,6 @@ def attempt_release_unstarted(*, attempt, by: str, error: str, only_if: Q | None
                            "reason": error})  # fmt: skip
         notify(CHANNEL_SCHEDULE, at=now)  # the promoter queues it at once
     return True
-
-
-def _pause_job_of_run_if_failing(run_id, now: dt.datetime) -> None:
-    job = Job.objects.filter(runs__id=run_id).first()
-    if job is not None and job.spec.get("pause_after_failures"):
-        job_pause_if_failing(job=job, now=now)
 
 
 def run_cancel_request(*, run: Run, actor: AbstractBaseUser | None, now: dt.datetime) -> bool:

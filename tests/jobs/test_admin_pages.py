@@ -14,7 +14,8 @@ from django.contrib.auth.models import Permission
 from jobs.admin.pages import duration, run_stages, schedule_words
 from jobs.clock import db_now
 from jobs.models import AuditEvent, Job, JobVersion
-from jobs.services import attempt_record_failure, job_cancel
+from jobs.outcomes import attempt_record_failure
+from jobs.services import job_cancel
 from tests.factories import PINNED_NOW, claim, job_body, later
 
 pytestmark = pytest.mark.django_db

@@ -144,7 +144,7 @@ def test_a_delivery_is_measured_without_a_statement_of_its_own(operator_api, que
     from django.db import connection
     from django.test.utils import CaptureQueriesContext
 
-    from dispatch.runtime import run_execute_delivery
+    from dispatch.worker import run_execute_delivery
 
     run = queued_run()
     with CaptureQueriesContext(connection) as statements:
