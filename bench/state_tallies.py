@@ -57,9 +57,9 @@ def main() -> None:
         from jobs.models import Run
         from jobs.services import job_create_bulk
         from jobs.transitions import attempt_succeed, run_claim
+        from storage.tallies import STATE_TALLY_TRIGGERS
         from tests.factories import job_spec
 
-        migration = __import__("jobs.migrations.0020_state_tallies", fromlist=["TRIGGERS"])
         now = dt.datetime.now(dt.UTC)
         owner = get_user_model().objects.create_user("bench")
         specs = [
@@ -106,7 +106,7 @@ def main() -> None:
 
         def triggers(enabled: bool) -> None:
             with connection.cursor() as cursor:
-                for name, table in migration.TRIGGERS:
+                for name, table in STATE_TALLY_TRIGGERS:
                     action = "ENABLE" if enabled else "DISABLE"
                     cursor.execute(f"ALTER TABLE {table} {action} TRIGGER {name}")
 

@@ -12,6 +12,7 @@ from django.db.models import Min, Prefetch, QuerySet
 from django.db.models.fields.json import KeyTextTransform
 from django.db.models.functions import Coalesce, Greatest
 
+from storage import tallies
 from storage.metrics import tallies_sum
 
 from .models import (
@@ -162,7 +163,7 @@ PRUNED_FAILED = "pruned_failed"
 # A tally's or a counter's labels as stored: `kind="effect"`, `state="queued"`.
 LABEL = re.compile(r'(\w+)="([^"]*)"')
 # The tallies the triggers keep of the runs by state and of the outbox backlog.
-RUN_TALLY, BACKLOG_TALLY = "scheduler_runs", "scheduler_outbox_backlog"
+RUN_TALLY, BACKLOG_TALLY = tallies.RUNS_BY_STATE, tallies.OUTBOX_BACKLOG
 
 
 def oldest_overdue_seconds(*, now: dt.datetime, oldest_pending: dt.datetime | None = None) -> float:

@@ -38,9 +38,9 @@ JOB_TRANSITIONS: dict[str, frozenset[str]] = {
     JobState.PAUSED: frozenset({JobState.ACTIVE}),
     JobState.ACTIVE: frozenset({JobState.PAUSED}),
     JobState.CANCELLED: frozenset({JobState.ACTIVE, JobState.PAUSED}),
-    # A job whose schedule is over, once none of its runs is active: on PostgreSQL in the
-    # statement that ends its last run (trigger run_ended_completes_job, jobs/0017, the
-    # same conditional update), else by the completer (dispatch.completer).
+    # A job whose schedule is over, once none of its runs is active: by the rule of
+    # storage.completion, in the statement that ends its last run (trigger
+    # run_ended_completes_job), else by the completer's safety net (dispatch.completer).
     JobState.COMPLETED: frozenset({JobState.ACTIVE}),
 }
 # Job states in which its spec may change and operators may act on it.
@@ -74,12 +74,6 @@ def job_to_active(*, job_id, now: dt.datetime, only_if: Q | None = None, **field
 def job_to_cancelled(*, job_id, now: dt.datetime) -> bool:
     """active/paused -> cancelled, for good: no more occurrences."""
     return bool(_move_jobs([job_id], JobState.CANCELLED, next_run_at=None, updated_at=now))
-
-
-def jobs_to_completed(*, job_ids: list, now: dt.datetime) -> int:
-    """active -> completed, for jobs whose schedule is over (the caller checked that none
-    of their runs is active, under the jobs' row locks)."""
-    return _move_jobs(job_ids, JobState.COMPLETED, updated_at=now)
 
 
 def job_replace_spec(*, job_id, expected_version: int, fields: dict) -> bool:
@@ -363,7 +357,7 @@ def attempts_still_running(*, attempt_ids: list[int]) -> set[int]:
     )
 
 
-# In the error of every released attempt (the metrics' trigger keys on it, jobs/0013).
+# Ends the error of every released attempt, for people (`Attempt.released` marks it).
 RELEASED_ERROR = "not started"
 
 
@@ -381,6 +375,7 @@ def attempt_release(
         run_to=RunState.RETRY_WAIT,
         now=now,
         error=f"{error}; {RELEASED_ERROR}",
+        released=True,
         only_if=Q(started_at__isnull=True) & (only_if or Q()),
         next_attempt_at=now,
         retry_base=F("retry_base") + 1,
@@ -432,6 +427,7 @@ def _finish(
     now,
     error: str = "",
     only_if: Q | None = None,
+    released: bool = False,
     **run_fields,
 ) -> bool:
     """The attempt leaves running and its run moves to `run_to`, both or neither, and only
@@ -445,6 +441,8 @@ def _finish(
     )
     started = _reserved_start(attempt)
     attempt_fields = {"state": attempt_to, "finished_at": now, "error": error}
+    if released:
+        attempt_fields["released"] = True
     if started is not None:  # a reserved attempt's start, written with its outcome
         value = Value(started, output_field=DateTimeField())
         attempt_fields["started_at"] = Coalesce(F("started_at"), value)

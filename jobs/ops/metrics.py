@@ -17,6 +17,7 @@ from django.conf import settings
 from django.db.models import Count
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
+from storage import tallies
 from storage.metrics import tallies_sum
 
 from ..clock import CLOCK_SKEW_EXPIRY, db_now
@@ -55,10 +56,9 @@ COUNTERS = {
         ["kind"],
     ),
 }
-# The buckets (upper bounds, seconds) jobs/migrations/0008_tally.py counts in: exported even
+# The buckets (upper bounds, seconds) storage.tallies' triggers count in: exported even
 # while empty, so every histogram has the same series from its first scrape.
-BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
-           300.0, 900.0, 3600.0, 21600.0, 86400.0)  # fmt: skip
+BUCKETS = tallies.BUCKETS
 STAGES = {
     "scheduler_discovery_lag_seconds": (
         "Due (or accepted, if later) -> run created queued, or released by the promoter."

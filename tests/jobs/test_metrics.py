@@ -1,8 +1,7 @@
 """/metrics (jobs.ops.metrics): the durable counters with their labels, and the histograms and
-attempt counts the database's triggers keep (jobs/migrations/0008_tally.py)."""
+attempt counts the database's triggers keep (storage.tallies)."""
 
 import datetime as dt
-import importlib
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -10,6 +9,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from jobs.models import Attempt, Run
 from jobs.ops.metrics import BUCKETS
 from jobs.transitions import attempt_fail, attempt_succeed, run_claim
+from storage import tallies
 from tests.factories import PINNED_NOW, make_job, scheduler_pass
 
 STAGES = (
@@ -107,9 +107,8 @@ def test_a_one_time_job_dated_in_the_past_is_measured_from_its_acceptance(operat
     assert (count, total) == (1, pytest.approx(0.5))
 
 
-def test_every_histogram_has_the_buckets_the_migration_counts_in(operator_api):
-    migration = importlib.import_module("jobs.migrations.0008_tally")
-    assert migration.BUCKETS == BUCKETS
+def test_every_histogram_has_the_buckets_the_triggers_count_in(operator_api):
+    assert tallies.BUCKETS == BUCKETS
     samples = scrape(operator_api.get("/metrics").content.decode())
     for name in STAGES:
         count, total, buckets = histogram(samples, name)
