@@ -43,10 +43,10 @@ from jobs.notify import CHANNEL_OUTBOX, notify
 from jobs.outbox import outbox_enqueue_runs
 from jobs.partitions import PartitionScope, in_held_partitions
 from jobs.policies import misfire_plan, overlap_decision, run_jitter
-from jobs.rows import rows_insert
 from jobs.schedules import ScheduleError, job_next_fire
 from jobs.services import job_pause, jobs_pause_if_failing, run_cancel_request
 from jobs.transitions import ACTIVE_RUN_STATES, jobs_advance
+from storage.rows import rows_insert
 
 from .config import config_require
 from .failpoints import failpoint
@@ -318,7 +318,7 @@ def _runs_write_portable(
         )
         for run in runs
     ]  # fmt: skip
-    rows_insert(rows)
+    rows_insert(groups=[rows])
     outbox_enqueue_runs(runs=[run for run in rows if run.state == RunState.QUEUED], now=now)
     jobs_advance(jobs=[Job(id=job.id, next_run_at=job.next_run_at) for job in jobs])
     skipped = sum(run.state == RunState.SKIPPED for run in runs)

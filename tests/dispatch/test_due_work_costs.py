@@ -18,9 +18,9 @@ from dispatch.completer import _awaiting, _finished
 from dispatch.materializer import active_scheduled_runs
 from dispatch.reconciler import ReconcileConfig, _oldest_stuck, _window, reconcile_run_once
 from dispatch.scheduler import SchedulerConfig, scheduler_run_once
-from jobs.metrics import oldest_pending_outbox
 from jobs.models import Job, JobVersion, Run, RunState
-from jobs.services import LATEST_FINISHED
+from jobs.selectors import oldest_pending_outbox
+from storage.jobs import LATEST_FINISHED
 from tests.factories import make_job, publish
 
 pytestmark = [
