@@ -1,5 +1,6 @@
-"""`python manage.py standalone` on embedded defaults (SQLite, filesystem broker): no
-external service at all, the same pipeline end to end, and a clean stop on SIGTERM."""
+"""`python manage.py standalone` on embedded defaults (the embedded PostgreSQL, the filesystem
+broker): no external service at all, the same pipeline end to end, a clean stop on SIGTERM
+(the database server included), and nothing left by a SIGKILL that blocks the next start."""
 
 import contextlib
 import datetime as dt
@@ -24,29 +25,37 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def test_standalone_on_embedded_defaults_runs_a_job_end_to_end(tmp_path):
+def _embedded_env(tmp_path) -> dict[str, str]:
     env = {
         k: v
         for k, v in os.environ.items()
         if k not in ("DATABASE_URL", "CELERY_BROKER_URL", "DJANGO_SETTINGS_MODULE")
     }
-    record = tmp_path / "executions.jsonl"
-    env |= {
+    return env | {
         "SCHEDULER_VAR_DIR": str(tmp_path / "var"),
         "SCHEDULER_TASK_MODULES": "tests.sample_tasks",
-        "SAMPLE_TASK_RECORD": str(record),
+        "SAMPLE_TASK_RECORD": str(tmp_path / "executions.jsonl"),
         "PYTHONUNBUFFERED": "1",
     }
-    port = _free_port()
-    log_path = tmp_path / "standalone.log"
-    with open(log_path, "wb") as log:
-        process = subprocess.Popen(
+
+
+def _standalone(env: dict, port: int, log_path) -> subprocess.Popen:
+    with open(log_path, "ab") as log:
+        return subprocess.Popen(
             [sys.executable, "manage.py", "standalone", "--port", str(port)],
             cwd=ROOT,
             env=env,
             stdout=log,
             stderr=subprocess.STDOUT,
         )
+
+
+def test_standalone_on_embedded_defaults_runs_a_job_end_to_end(tmp_path):
+    env = _embedded_env(tmp_path)
+    record = tmp_path / "executions.jsonl"
+    port = _free_port()
+    log_path = tmp_path / "standalone.log"
+    process = _standalone(env, port, log_path)
     try:
         token = (
             wait_for(
@@ -115,12 +124,65 @@ def test_standalone_on_embedded_defaults_runs_a_job_end_to_end(tmp_path):
             message="the echo run to succeed",
         )
         assert echo_runs[0]["result"] == {"args": ["hello"], "kwargs": {}}
-        assert (tmp_path / "var" / "scheduler.sqlite3").exists()
+        assert (tmp_path / "var" / "postgres" / "PG_VERSION").exists()
     finally:
         process.send_signal(signal.SIGTERM)
         returncode = process.wait(timeout=60)
     assert returncode == 0, log_path.read_text(errors="replace")[-3000:]
     assert b"stopped" in log_path.read_bytes()
+    # The database server stopped with the rest.
+    assert not (tmp_path / "var" / "postgres" / "postmaster.pid").exists()
+    assert not (tmp_path / "var" / "standalone.pid").exists()
+
+
+def test_a_killed_standalone_leaves_nothing_that_blocks_the_next_start(tmp_path):
+    """SIGKILL: the children follow their parent (PR_SET_PDEATHSIG), the port is free again,
+    the database server is reused; a second standalone beside a live one is refused."""
+    env = _embedded_env(tmp_path)
+    port = _free_port()
+    log_path = tmp_path / "standalone.log"
+    first = _standalone(env, port, log_path)
+    try:
+        wait_for(lambda: log_path.read_bytes().count(b"API token") == 1, timeout=60,
+                 message="the first start's token")  # fmt: skip
+        children = [
+            int(line.split()[0])
+            for line in (tmp_path / "var" / "standalone.pid").read_text().splitlines()[1:]
+        ]
+        assert len(children) == 4
+        beside = subprocess.run(
+            [sys.executable, "manage.py", "standalone", "--port", str(_free_port())],
+            cwd=ROOT, env=env, capture_output=True, timeout=120,
+        )  # fmt: skip
+        assert beside.returncode != 0 and b"standalone already runs" in beside.stderr
+    finally:
+        first.kill()
+        first.wait()
+    wait_for(lambda: not any(_alive(pid) for pid in children), timeout=60,
+             message="the killed standalone's children to stop")  # fmt: skip
+    second = _standalone(env, port, log_path)
+    try:
+        token = wait_for(
+            lambda: re.findall(rb"API token: (\w+)", log_path.read_bytes())[1:],
+            timeout=60, message="the second start's token",
+        )[0].decode()  # fmt: skip
+        http = requests.Session()
+        http.headers["Authorization"] = f"Token {token}"
+        base = f"http://127.0.0.1:{port}/api/v1"
+        wait_for(lambda: _answers(http, f"{base}/jobs/"), timeout=60, message="the web server")
+    finally:
+        second.send_signal(signal.SIGTERM)
+        returncode = second.wait(timeout=60)
+    assert returncode == 0, log_path.read_text(errors="replace")[-3000:]
+    assert not (tmp_path / "var" / "postgres" / "postmaster.pid").exists()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
 
 
 def _answers(http: requests.Session, url: str) -> bool:

@@ -71,7 +71,6 @@ def run_python(code: str, tmp_path: Path, **env: str) -> subprocess.CompletedPro
             **os.environ,
             "DJANGO_SETTINGS_MODULE": "scheduler_project.settings.base",
             "SCHEDULER_VAR_DIR": str(tmp_path / "var"),
-            "DATABASE_URL": f"sqlite:///{tmp_path / 'db.sqlite3'}",
             "CELERY_BROKER_URL": "memory://",
             **env,
         },

@@ -1,29 +1,41 @@
 """`python manage.py standalone`: the whole system in one command, on any settings.
 
-Migrates, makes sure an admin user exists, prints it with the URLs and a new API token of a
-plain user `api`, then runs the web server, a scheduler, a relay and a Celery worker as child
-processes, restarting any that dies, until Ctrl-C or SIGTERM stops them all.
+Starts the embedded PostgreSQL when the settings use it (no DATABASE_URL), migrates, makes
+sure an admin user exists, prints it with the URLs and a new API token of a plain user
+`api`, then runs the web server, a scheduler, a relay and a Celery worker as child
+processes, restarting any that dies, until Ctrl-C or SIGTERM stops them all, and the
+embedded PostgreSQL after them.
+
+A SIGKILLed standalone leaves nothing that blocks the next start: on Linux each child gets
+SIGTERM when standalone dies (PR_SET_PDEATHSIG), and `var/standalone.pid` names standalone
+and its children, so the next start refuses to run beside a live standalone and stops the
+children a dead one left (elsewhere than Linux). The embedded PostgreSQL it leaves running
+is reused.
 
 The web server is gunicorn (a production WSGI server; Django's runserver opened a thread,
-and a database connection, per request, until PostgreSQL refused new ones): on PostgreSQL
+and a database connection, per request, until PostgreSQL refused new ones):
 `web_workers()` sync workers, each holding at most one connection (CONN_MAX_AGE keeps it
-between requests); on SQLite one worker with threads, since writers serialize on the file
-anyway. docs/connections.md counts the connections of the whole stack.
+between requests). docs/connections.md counts the connections of the whole stack.
 """
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import os
 import secrets
 import signal
+import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 from django.conf import settings
 from django.contrib.auth import get_user_model
 from django.core.management import call_command
-from django.core.management.base import BaseCommand
+from django.core.management.base import BaseCommand, CommandError
+from django.db import connection
 from django.utils import timezone
 
 from dispatch.commands import worker_argv
@@ -32,12 +44,12 @@ from jobs.tokens import token_create, tokens_revoke
 STOP_GRACE_SECONDS = 20
 # The owner of the API token that standalone prints (a plain user, not the admin).
 STANDALONE_API_USER = "api"
-SQLITE_WEB_THREADS = 4
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
 def web_workers() -> int:
-    """Sync workers for PostgreSQL: two per core (a request spends about half its time
-    waiting on the database), at least 2, at most 8 (each is a connection)."""
+    """Sync workers: two per core (a request spends about half its time waiting on the
+    database), at least 2, at most 8 (each is a connection)."""
     return max(2, min(8, 2 * (os.cpu_count() or 1)))
 
 
@@ -46,9 +58,6 @@ def web_argv(*, host: str, port: int, workers: int | None) -> list[str]:
     argv = [sys.executable, "-m", "gunicorn", "scheduler_project.wsgi:application",
             "--bind", f"{host}:{port}", "--chdir", str(settings.BASE_DIR),
             "--timeout", "60", "--graceful-timeout", "10"]  # fmt: skip
-    if settings.DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
-        return [*argv, "--workers", str(workers or 1), "--worker-class", "gthread",
-                "--threads", str(SQLITE_WEB_THREADS)]  # fmt: skip
     return [*argv, "--workers", str(workers or web_workers()), "--worker-class", "sync"]
 
 
@@ -63,25 +72,50 @@ class Command(BaseCommand):
             "--web-workers",
             type=int,
             default=None,
-            help="gunicorn worker processes (default: 2 per core, 2-8, on PostgreSQL; 1 with "
-            f"{SQLITE_WEB_THREADS} threads on SQLite)",
+            help="gunicorn worker processes (default: 2 per core, 2-8)",
         )
 
     def handle(self, *args, host, port, worker_concurrency, web_workers, **options):
+        # SIGTERM before the children run (while migrating) unwinds through `finally`, so
+        # the embedded PostgreSQL is stopped then too.
+        signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+        pid_file = PidFile(Path(settings.VAR_DIR) / "standalone.pid")
+        pid_file.claim()
+        _port_free(host, port)
+        # The embedded PostgreSQL (no DATABASE_URL): started before the children, stopped
+        # after them, whoever started it (a lone `manage.py` or a killed standalone).
+        database = getattr(connection, "embedded_server", None)
+        try:
+            if database is not None:
+                self.stdout.write(f"Starting the embedded PostgreSQL in {database.data_dir} ...")
+                self.stdout.flush()
+                try:
+                    database.start()
+                except RuntimeError as exc:  # no build for this platform, no user for root
+                    raise CommandError(str(exc)) from exc
+            self._serve(host, port, worker_concurrency, web_workers, database, pid_file)
+        finally:
+            connection.close()
+            if database is not None:
+                database.stop()
+            pid_file.release()
+        self.stdout.write("stopped")
+
+    def _serve(self, host, port, worker_concurrency, web_workers, database, pid_file) -> None:
         self.stdout.write("Migrating the database ...")
         self.stdout.flush()
         call_command("migrate", interactive=False, verbosity=0)
         username, password, api_username, token = self._first_users()
         base = f"http://{host}:{port}"
+        where = (
+            f"the embedded PostgreSQL (socket in {database.socket_dir})"
+            if database is not None
+            else "the configured database"
+        ) + (" and the filesystem broker in var/" if settings.EMBEDDED_BROKER else "")
         self.stdout.write(
             "\n".join(
                 [
-                    "Scheduler running on "
-                    + (
-                        "embedded defaults (SQLite, filesystem broker)"
-                        if settings.EMBEDDED_BROKER
-                        else "the configured database and broker"
-                    ),
+                    f"Scheduler running on {where}",
                     f"  API:       {base}/api/v1/jobs/",
                     f"  API docs:  {base}/api/docs/  (schema: {base}/api/schema/)",
                     f"  Admin:     {base}/admin/",
@@ -113,7 +147,8 @@ class Command(BaseCommand):
                 queues=[settings.SCHEDULER_DEFAULT_QUEUE],
             ),
         }
-        Supervisor(commands, env, self.stdout).run()
+        connection.close()  # the children open their own; this one would idle meanwhile
+        Supervisor(commands, env, self.stdout, pid_file).run()
 
     def _first_users(self) -> tuple[str, str | None, str, str]:
         """(admin username, its password if new, API username, a new API token's key).
@@ -133,18 +168,103 @@ class Command(BaseCommand):
         return admin.get_username(), password, api_user.get_username(), key
 
 
+def _port_free(host: str, port: int) -> None:
+    """CommandError when something listens on the web port already (gunicorn would retry
+    binding it forever)."""
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError as exc:
+            raise CommandError(f"{host}:{port} is taken ({exc.strerror}): stop what listens "
+                               "there, or choose another --port") from None  # fmt: skip
+
+
+def _command_line(pid: int) -> str:
+    """A live process's command line ("" when it is gone)."""
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode().strip()
+    except OSError:
+        return subprocess.run(["ps", "-o", "command=", "-p", str(pid)],
+                              capture_output=True, text=True).stdout.strip()  # fmt: skip
+
+
+class PidFile:
+    """`var/standalone.pid`: standalone's pid, then a line per child ("pid command line").
+    The next start refuses to run beside a live standalone and stops the children that a
+    killed one left; a line whose pid now runs another command is ignored (pid reused)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def _lines(self) -> list[tuple[int, str]]:
+        try:
+            text = self.path.read_text()
+        except FileNotFoundError:
+            return []
+        lines = [line.split(" ", 1) for line in text.splitlines() if line.strip()]
+        return [(int(fields[0]), fields[1] if len(fields) > 1 else "") for fields in lines]
+
+    def claim(self) -> None:
+        lines = self._lines()
+        if lines:
+            pid, command = lines[0]
+            if pid != os.getpid() and "standalone" in _command_line(pid):
+                raise CommandError(f"standalone already runs here (pid {pid}, {self.path})")
+            left = [pid for pid, command in lines[1:] if command and _command_line(pid) == command]
+            for pid in left:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGTERM)
+            deadline = time.monotonic() + STOP_GRACE_SECONDS
+            while left and time.monotonic() < deadline:
+                left = [pid for pid in left if _command_line(pid)]
+                time.sleep(0.2)
+            for pid in left:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+        self.write({})
+
+    def write(self, children: dict[str, subprocess.Popen]) -> None:
+        lines = [f"{os.getpid()} {_command_line(os.getpid())}"]
+        lines += [f"{child.pid} {' '.join(child.args)}" for child in children.values()]
+        aside = self.path.with_name(f".{self.path.name}.{os.getpid()}")
+        aside.write_text("\n".join(lines) + "\n")
+        aside.replace(self.path)
+
+    def release(self) -> None:
+        self.path.unlink(missing_ok=True)
+
+
+def _die_with_parent(parent: int):
+    """A child's preexec_fn: on Linux the kernel sends it SIGTERM when standalone dies,
+    however it dies (SIGKILL included), so no orphan keeps the port or works beside the
+    next start's processes."""
+    libc = ctypes.CDLL(None, use_errno=True) if sys.platform == "linux" else None
+
+    def preexec() -> None:
+        if libc is not None:
+            libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+        if os.getppid() != parent:  # standalone died before the prctl took effect
+            os._exit(1)
+
+    return preexec
+
+
 class Supervisor:
     """Starts the children, restarts any that exits, and stops them all on a signal."""
 
-    def __init__(self, commands: dict[str, list[str]], env: dict, out) -> None:
-        self.commands, self.env, self.out = commands, env, out
+    def __init__(self, commands: dict[str, list[str]], env: dict, out, pid_file) -> None:
+        self.commands, self.env, self.out, self.pid_file = commands, env, out, pid_file
         self.children: dict[str, subprocess.Popen] = {}
         self.stopping = False
 
     def _start(self, name: str) -> None:
         # Each child's database connections carry its name (pg_stat_activity.application_name).
         env = {**self.env, "SCHEDULER_DB_APPLICATION_NAME": f"scheduler-{name}"}
-        self.children[name] = subprocess.Popen(self.commands[name], env=env)
+        self.children[name] = subprocess.Popen(
+            self.commands[name], env=env, preexec_fn=_die_with_parent(os.getpid())
+        )
+        self.pid_file.write(self.children)
 
     def _on_signal(self, signum, frame) -> None:
         self.stopping = True
@@ -178,4 +298,3 @@ class Supervisor:
             except subprocess.TimeoutExpired:
                 child.kill()
                 child.wait()
-        self.out.write("stopped")
