@@ -9,6 +9,8 @@ import time
 
 from django.db import connections
 
+from storage.notify import notifications_listen
+
 from .loop import StopSignal
 
 log = logging.getLogger("dispatch.wakeup")
@@ -23,7 +25,6 @@ class Listener:
         self.stop = stop
         self._connection = None
         self._retry_at = 0.0
-        self.enabled = connections["default"].vendor == "postgresql"
         # The payloads of the notifications that ended the latest wait.
         self.payloads: list[str] = []
 
@@ -31,8 +32,7 @@ class Listener:
         wrapper = connections["default"]
         conn = wrapper.get_new_connection(wrapper.get_connection_params())
         conn.autocommit = True
-        for channel in self.channels:
-            conn.execute(f'LISTEN "{channel}"')
+        notifications_listen(connection=conn, channels=self.channels)
         return conn
 
     def _listening(self):
@@ -54,7 +54,7 @@ class Listener:
             if remaining <= 0:
                 return False
             slice_ = min(remaining, STOP_CHECK_SECONDS)
-            conn = self._listening() if self.enabled else None
+            conn = self._listening()
             if conn is None:
                 self.stop.wait(slice_)
                 continue

@@ -7,8 +7,7 @@ import os
 import socket
 import time
 
-from django.db import connection
-from django.utils import timezone
+from storage.clock import clock_now
 
 from .models import ProcessClock
 
@@ -19,29 +18,20 @@ SKEW_SAMPLES = 3  # round trips per measurement; the shortest is the most precis
 
 
 def db_now() -> dt.datetime:
-    if connection.vendor == "postgresql":
-        with connection.cursor() as cursor:
-            cursor.execute("SELECT clock_timestamp()")
-            return cursor.fetchone()[0].astimezone(dt.UTC)
-    # Embedded defaults: every process shares one machine, so its clock is the clock.
-    return timezone.now()
+    return clock_now()
 
 
 def clock_skew_measure() -> tuple[float, dt.datetime]:
     """(this process's clock minus the database's, in seconds; the database's now): the
     database's clock against the midpoint of the round trip that read it, over the shortest
     of a few round trips, so the error is at most half of that trip."""
-    if connection.vendor != "postgresql":
-        return 0.0, timezone.now()
     best = None
-    with connection.cursor() as cursor:
-        for _ in range(SKEW_SAMPLES):
-            sent = time.time()
-            cursor.execute("SELECT clock_timestamp()")
-            received = time.time()
-            database = cursor.fetchone()[0].astimezone(dt.UTC)
-            if best is None or received - sent < best[0]:
-                best = (received - sent, (sent + received) / 2 - database.timestamp(), database)
+    for _ in range(SKEW_SAMPLES):
+        sent = time.time()
+        database = clock_now()
+        received = time.time()
+        if best is None or received - sent < best[0]:
+            best = (received - sent, (sent + received) / 2 - database.timestamp(), database)
     return best[1], best[2]
 
 

@@ -3,13 +3,11 @@ once instead of at its next poll. A writer notifies inside the transaction that 
 work: PostgreSQL delivers the notification at commit, drops it on rollback, and folds
 repeats of the same channel and payload in one transaction into one. Polling stays the
 safety net: a notification missed while a listener reconnects costs one poll interval.
-
-On SQLite (the embedded defaults) `notify` does nothing and loops only poll.
 """
 
 import datetime as dt
 
-from django.db import connection
+from storage.notify import notification_send
 
 # Outbox rows were committed: the relays publish them.
 CHANNEL_OUTBOX = "scheduler_outbox"
@@ -25,10 +23,7 @@ def notify(channel: str, *, at: dt.datetime | None = None) -> None:
     """Wake the listeners of `channel` when the current transaction commits. `at`: the
     instant the new work is due (the payload, ISO 8601), so that a scheduler sleeping
     until an earlier instant goes on sleeping without a query; none: look again."""
-    if connection.vendor != "postgresql":
-        return
-    with connection.cursor() as cursor:
-        cursor.execute("SELECT pg_notify(%s, %s)", [channel, at.isoformat() if at else ""])
+    notification_send(channel=channel, payload=at.isoformat() if at else "")
 
 
 def notified_instant(payload: str) -> dt.datetime | None:

@@ -16,10 +16,11 @@ import logging
 from django.conf import settings
 from django.core.files.base import ContentFile
 from django.core.files.storage import storages
-from django.db import connection, transaction
+from django.db import transaction
 
 from jobs.models import Attempt, AttemptState
 from jobs.redaction import redact
+from storage.logs import LogManifestRow, log_manifests_insert
 
 from .models import LogChunk, LogManifest
 
@@ -217,29 +218,18 @@ def logs_seal_many(sealed: list[tuple[Attempt, dict]], *, now) -> None:
 
 
 def _manifests_insert(manifests: list[LogManifest]) -> None:
-    """One INSERT of the rows as one JSON document on PostgreSQL, as jobs.rows does (no
-    model machinery on the worker's hot path); a `created_at` given as an expression, such
-    as Now(), is the transaction's time."""
-    if not manifests:
-        return
-    if connection.vendor != "postgresql":
-        LogManifest.objects.bulk_create(manifests)
-        return
-    fields = ("attempt_id", "chunk_count", "line_count", "byte_count", "sha256", "dropped_lines")
-    rows = [
-        {**{field: getattr(m, field) for field in fields},
-         "created_at": m.created_at.isoformat() if isinstance(m.created_at, dt.datetime)
-         else None}
-        for m in manifests
-    ]  # fmt: skip
-    table = LogManifest._meta.db_table
-    with connection.cursor() as cursor:
-        cursor.execute(
-            f"INSERT INTO {table} ({', '.join(fields)}, created_at)"
-            f" SELECT {', '.join(fields)}, COALESCE(created_at, NOW())"
-            f" FROM jsonb_populate_recordset(NULL::{table}, %s::jsonb)",
-            [json.dumps(rows)],
-        )
+    """One INSERT of all the manifests (storage.logs); a `created_at` given as an
+    expression, such as Now(), is the transaction's time."""
+    log_manifests_insert(
+        manifests=[
+            LogManifestRow(
+                attempt_id=m.attempt_id, chunk_count=m.chunk_count, line_count=m.line_count,
+                byte_count=m.byte_count, sha256=m.sha256, dropped_lines=m.dropped_lines,
+                created_at=m.created_at if isinstance(m.created_at, dt.datetime) else None,
+            )
+            for m in manifests
+        ]
+    )  # fmt: skip
 
 
 def chunk_lines(chunk: LogChunk) -> list[dict]:
