@@ -1,9 +1,13 @@
-"""Shared fixtures: users and tokens, a per-session RabbitMQ vhost, and real processes."""
+"""Shared fixtures: users and tokens, a per-session RabbitMQ vhost (or the embedded
+PostgreSQL and skipped RabbitMQ tests where those services are missing: settings.test), and
+real processes."""
 
 from __future__ import annotations
 
 import datetime as dt
+import inspect
 import os
+import shutil
 import subprocess
 import uuid
 
@@ -19,12 +23,82 @@ def _rabbitmqctl(*args: str) -> None:
     subprocess.run(["rabbitmqctl", "-q", *args], check=True, capture_output=True, timeout=60)
 
 
+# Where RabbitMQ does not answer (and CI is not set), the tests that use it are skipped
+# with the command that installs it: those that start real processes (`stack`), and those
+# whose body, or one of whose fixtures, reaches the broker.
+RABBITMQ_WORDS = ("purge_queue", "kombu", "rabbitmq", "Stack(", "CELERY_BROKER_URL")
+RABBITMQ_FOLDERS = ("faults", "browser")  # every one of them runs the whole pipeline
+RABBITMQ_MISSING = (
+    "RabbitMQ does not answer on 127.0.0.1:5672: install and start it "
+    "(`sudo apt-get install rabbitmq-server`, or `brew install rabbitmq && brew services "
+    "start rabbitmq`; bin/check-services says more), or set CELERY_BROKER_URL"
+)
+
+
+def _needs_rabbitmq(item) -> bool:
+    if "stack" in getattr(item, "fixturenames", ()):
+        return True
+    if any(folder in item.path.parts for folder in RABBITMQ_FOLDERS):
+        return True
+    functions = [getattr(item, "function", None)]
+    info = getattr(item, "_fixtureinfo", None)
+    for name, definitions in (info.name2fixturedefs.items() if info is not None else ()):
+        if name != "rabbitmq_vhost":  # every test's, and harmless without RabbitMQ
+            functions += [definition.func for definition in definitions]
+    for function in functions:
+        try:
+            source = inspect.getsource(function) if function is not None else ""
+        except (OSError, TypeError):
+            continue
+        if any(word in source for word in RABBITMQ_WORDS):
+            return True
+    return False
+
+
+@pytest.fixture(scope="session", autouse=True)
+def embedded_postgres():
+    """The embedded PostgreSQL of this session (settings.test, when no server answers):
+    started by the first connection, stopped and removed when the session ends (after
+    pytest-django dropped the test database); servers of killed sessions are removed too."""
+    if not settings.TEST_EMBEDDED_POSTGRES:
+        yield None
+        return
+    from django.db import connection
+
+    server = connection.embedded_server
+    for data_dir in server.data_dir.parent.glob("test-postgres-*"):
+        pid = data_dir.name.rsplit("-", 1)[-1]
+        if data_dir != server.data_dir and pid.isdigit() and not _alive(int(pid)):
+            _remove(type(server)(data_dir))
+    try:
+        yield server
+    finally:
+        connection.close()
+        _remove(server)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
+
+
+def _remove(server) -> None:
+    server.stop()
+    shutil.rmtree(server.data_dir, ignore_errors=True)
+    server.lock_path.unlink(missing_ok=True)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def rabbitmq_vhost():
     """Every test session gets its own vhost, so runs never see each other's messages."""
     url = settings.CELERY_BROKER_URL
     vhost = settings.TEST_RABBITMQ_VHOST
-    if vhost is None:
+    if vhost is None or settings.TEST_RABBITMQ_MISSING:
         yield url
         return
     _rabbitmqctl("add_vhost", vhost)
@@ -111,6 +185,20 @@ def pytest_collection_modifyitems(config, items):
     # Fail loudly rather than pass with nothing collected.
     if not items and not os.environ.get("ALLOW_EMPTY"):
         raise pytest.UsageError("no tests were collected")
+    if settings.TEST_RABBITMQ_MISSING:
+        skip = pytest.mark.skip(reason=RABBITMQ_MISSING)
+        for item in items:
+            if _needs_rabbitmq(item):
+                item.add_marker(skip)
+
+
+def pytest_report_header(config):
+    if settings.TEST_EMBEDDED_POSTGRES:
+        return [
+            "database: the embedded PostgreSQL (nothing answers at DATABASE_URL; CI=true "
+            "fails instead)"
+        ]
+    return []
 
 
 @pytest.fixture
