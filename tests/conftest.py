@@ -42,7 +42,7 @@ def _needs_rabbitmq(item) -> bool:
         return True
     functions = [getattr(item, "function", None)]
     info = getattr(item, "_fixtureinfo", None)
-    for name, definitions in (info.name2fixturedefs.items() if info is not None else ()):
+    for name, definitions in info.name2fixturedefs.items() if info is not None else ():
         if name != "rabbitmq_vhost":  # every test's, and harmless without RabbitMQ
             functions += [definition.func for definition in definitions]
     for function in functions:
