@@ -27,8 +27,10 @@ PRIVATE_DIR_MODE, PRIVATE_FILE_MODE = 0o700, 0o600
 if env.USES_VAR_DIR:
     os.umask(0o077)
 VAR_DIR.mkdir(parents=True, exist_ok=True, mode=PRIVATE_DIR_MODE)
-# Also an older installation's, made before this rule.
-VAR_DIR.chmod(PRIVATE_DIR_MODE | (VAR_DIR.stat().st_mode & 0o010))
+# Also an older installation's, made before this rule; the search right stays only for
+# another group than this process's (the embedded server's user, given it as root).
+_var = VAR_DIR.stat()
+VAR_DIR.chmod(PRIVATE_DIR_MODE | (_var.st_mode & 0o010 if _var.st_gid != os.getegid() else 0))
 
 
 def _secret_key() -> str:
