@@ -170,7 +170,7 @@ class Command(BaseCommand):
         a replica that takes its partitions over after a freeze ends it (dispatch.partitions),
         so the job rows a frozen pass keeps locked go with the partitions."""
         if threading.current_thread().name == "scheduler":
-            self.keeper.scheduler_session_opened(connection)
+            self.keeper.scheduler_session_opened()
 
     def loop(
         self,
