@@ -17,7 +17,12 @@ from dispatch.loop import StopSignal, run_loop, run_once_step
 from dispatch.partitions import PartitionKeeper, PartitionsConfig, replica_holder
 from dispatch.pruner import PrunerConfig, pruner_run_once
 from dispatch.reaper import OutageGrace, ReaperConfig, reaper_run_once
-from dispatch.reconciler import BrokerQueueDepth, ReconcileConfig, reconcile_run_once
+from dispatch.reconciler import (
+    BrokerQueueDepth,
+    ReconcileConfig,
+    ReconcileWindow,
+    reconcile_run_once,
+)
 from dispatch.scheduler import SchedulerConfig, SchedulerWake
 from dispatch.wakeup import Listener
 from jobs.notify import CHANNEL_PARTITIONS, CHANNEL_SCHEDULE
@@ -147,7 +152,9 @@ class Command(BaseCommand):
             depth = BrokerQueueDepth(
                 settings.CELERY_BROKER_URL, settings.CELERY_BROKER_TRANSPORT_OPTIONS
             )
-            step = run_once_step(reconcile_run_once, reconcile, queue_depth=depth)
+            # The loop's own walk over the queued runs, carried from each pass to the next.
+            window = ReconcileWindow()
+            step = run_once_step(reconcile_run_once, reconcile, queue_depth=depth, window=window)
             loops.append(self.loop("reconciler", step, stop, close=depth.close))
         if not options["without_pruner"]:
             loops.append(
