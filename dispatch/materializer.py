@@ -27,14 +27,14 @@ from django.db.models.functions import RowNumber
 from jobs import keys
 from jobs.audit import audit_event
 from jobs.lanes import lane_queue
-from jobs.models import AuditEvent, Job, JobState, Run, RunKind, RunState
+from jobs.models import AuditEvent, Run, RunKind, RunState
 from jobs.notify import CHANNEL_OUTBOX, notify
-from jobs.partitions import PartitionScope, in_held_partitions
+from jobs.partitions import PartitionScope
 from jobs.policies import misfire_plan, overlap_decision, run_jitter
 from jobs.schedules import ScheduleError, job_next_fire
 from jobs.services import job_pause, jobs_pause_if_failing, run_cancel_request
 from jobs.transitions import ACTIVE_RUN_STATES
-from storage.schedule import JobAdvance, ScheduledRun, runs_write_scheduled
+from storage.schedule import JobAdvance, ScheduledRun, jobs_due_claim, runs_write_scheduled
 
 from .config import config_require
 from .failpoints import failpoint
@@ -115,27 +115,10 @@ def _due_occurrences(job: DueJob, now: dt.datetime) -> tuple[list[dt.datetime], 
 def _claim_due_jobs(
     *, now: dt.datetime, limit: int, scope: PartitionScope | None = None
 ) -> list[DueJob]:
-    """Up to `limit` due active jobs, each with its current version's spec, their rows
-    locked: one statement. Its inner query claims the jobs' ids through `job_due_idx`
-    (FOR UPDATE SKIP LOCKED), of the partitions `scope`'s holder holds at that statement
-    (its leases read once, on the database's clock: due jobs of other partitions are passed
-    over, so the cost grows with due work); the outer one reads them with their versions,
-    locking them again (already ours) so that it reads each job's latest row. Only ids are
-    sorted, so statistics that lag behind a burst cannot make it sort every due job's spec
-    on disk."""
-    due = Job.objects.filter(state=JobState.ACTIVE, next_run_at__lte=now)
-    if scope is not None:
-        due = due.filter(in_held_partitions(scope))
-    due = due.order_by("next_run_at").select_for_update(skip_locked=True).values("id")[:limit]
-    rows = (
-        Job.objects.select_for_update(of=("self",))
-        .filter(id__in=due, versions__version=F("version"))
-        .order_by()
-        .values_list(
-            "id", "state", "versions__id", "versions__spec",
-            "next_run_at", "created_at", "resumed_at", "owner_id",
-        )
-    )  # fmt: skip
+    """Up to `limit` due active jobs, their rows locked (storage.schedule.jobs_due_claim):
+    of the partitions `scope`'s holder holds at that statement, with a scope."""
+    holder, partitions = (scope.holder, scope.partitions) if scope is not None else (None, 0)
+    rows = jobs_due_claim(now=now, limit=limit, holder=holder, partitions=partitions)
     return [DueJob(*row) for row in rows]
 
 

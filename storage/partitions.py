@@ -18,6 +18,33 @@ LEASE = "jobs_partition_lease"
 REPLICA = "jobs_scheduler_replica"
 
 
+def job_partition_sql(job_id: str, partitions: str = "%s") -> str:
+    """SQL: the partition of the job id column `job_id` (jobs.partitions.job_partition in
+    Python): its last 8 hex digits as an unsigned 32-bit number, modulo `partitions` (a
+    placeholder, positional by default). Nothing is stored, so the partition count may
+    change with a restart of every replica and no migration."""
+    return f"(('x' || right(({job_id})::text, 8))::bit(32)::bigint %% {partitions})"
+
+
+def in_held_partitions_sql(partition: str, held: str) -> str:
+    """SQL: a condition that `partition` (job_partition_sql) is among `held` (a subquery
+    of the partitions a holder's leases cover): `partition = ANY(ARRAY(held))`, so the
+    leases are read once per statement (an InitPlan) and a due-work index is still walked
+    in order under a LIMIT (an IN (subquery) became a join, then a sort of every due row
+    of the partitions held: the whole backlog sorted at every pass after an outage). The
+    uncorrelated EXISTS is a one-time filter: a holder holding nothing walks no index."""
+    return f"({partition} = ANY(ARRAY{held}) AND EXISTS{held})"
+
+
+def held_partitions_sql(holder: str, partitions: str) -> str:
+    """SQL: a subquery of the partitions whose lease `holder` (a placeholder) holds at the
+    statement's start (the database's clock), of the first `partitions` (a placeholder)."""
+    return (
+        f"(SELECT partition FROM {LEASE} WHERE expires_at > statement_timestamp()"
+        f" AND holder = {holder} AND partition < {partitions})"
+    )
+
+
 class Session(NamedTuple):
     """A database session: its backend's pid and start (pg_stat_activity)."""
 

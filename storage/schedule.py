@@ -1,6 +1,8 @@
-"""The materializer's write: a batch of due occurrences made runs, in one statement.
+"""The materializer's statements: the claim of due jobs, and the write that makes a batch
+of their due occurrences runs, in one statement each.
 
-Tables: `jobs_run`, `dispatch_outboxmessage` (the outbox) and `jobs_job`.
+Tables: `jobs_job`, `jobs_jobversion`, `jobs_run` and `dispatch_outboxmessage` (the
+outbox).
 """
 
 from __future__ import annotations
@@ -10,14 +12,71 @@ import json
 import uuid
 from typing import NamedTuple
 
-from .sql import fetch_one
+from .partitions import held_partitions_sql, in_held_partitions_sql, job_partition_sql
+from .sql import fetch_all, fetch_one
 
 RUN = "jobs_run"
 OUTBOX = "dispatch_outboxmessage"
 JOB = "jobs_job"
+JOB_VERSION = "jobs_jobversion"
+ACTIVE = "active"  # jobs.models.JobState.ACTIVE
 SCHEDULED = "scheduled"  # jobs.models.RunKind.SCHEDULED
 QUEUED, SKIPPED = "queued", "skipped"  # jobs.models.RunState
 OUTBOX_PENDING = "pending"  # jobs.models.OutboxState.PENDING
+
+
+class DueJob(NamedTuple):
+    """A claimed job as the materializer reads it: its current version's spec included."""
+
+    id: uuid.UUID
+    state: str
+    version_id: int
+    spec: dict
+    next_run_at: dt.datetime | None
+    created_at: dt.datetime
+    resumed_at: dt.datetime | None
+    owner_id: int
+
+
+def jobs_due_claim(
+    *, now: dt.datetime, limit: int, holder: str | None = None, partitions: int = 0
+) -> list[DueJob]:
+    """Up to `limit` active jobs due by `now`, each with its current version's spec, their
+    rows locked until the caller's transaction ends: one statement. Its inner query claims
+    the jobs' ids through `job_due_idx` in due order, FOR UPDATE SKIP LOCKED (a job another
+    replica's pass holds is passed over), with a `holder` only those of the partitions
+    whose lease it holds (of the first `partitions`) at the statement's start, on the
+    database's clock (due jobs of other partitions are passed over, so the cost grows
+    with due work); the outer one reads them with their versions, locking them again
+    (already ours) FOR UPDATE OF the job, so that it reads each job's latest row. Only ids
+    are sorted, so statistics that lag behind a burst cannot make it sort every due job's
+    spec on disk. Run it in the transaction that writes the runs."""
+    held = ""
+    if holder is not None:
+        partition = job_partition_sql("due.id", "%(partitions)s")
+        held = "AND " + in_held_partitions_sql(
+            partition, held_partitions_sql("%(holder)s", "%(partitions)s")
+        )
+    rows = fetch_all(
+        f"""
+        SELECT job.id, job.state, version.id, version.spec,
+               job.next_run_at, job.created_at, job.resumed_at, job.owner_id
+          FROM {JOB} AS job
+          JOIN {JOB_VERSION} AS version ON version.job_id = job.id
+         WHERE job.id IN (SELECT due.id FROM {JOB} AS due
+                           WHERE due.next_run_at <= %(now)s AND due.state = %(active)s
+                                 {held}
+                           ORDER BY due.next_run_at
+                           LIMIT %(limit)s
+                             FOR UPDATE SKIP LOCKED)
+           AND version.version = job.version
+           FOR UPDATE OF job
+        """,
+        {"now": now, "active": ACTIVE, "limit": limit, "holder": holder,
+         "partitions": partitions},
+    )  # fmt: skip
+    # jsonb comes back as text on Django's connections (its JSONField decodes it).
+    return [DueJob(*row[:3], json.loads(row[3]), *row[4:]) for row in rows]
 
 
 class ScheduledRun(NamedTuple):

@@ -1,5 +1,6 @@
-"""storage.schedule against PostgreSQL: the materializer's one-statement write, and two
-transactions writing the same occurrence at once."""
+"""storage.schedule against PostgreSQL: the claim of due jobs (two claims at once, a
+partition scope, its plan) and the materializer's one-statement write (two transactions
+writing the same occurrence at once)."""
 
 from __future__ import annotations
 
@@ -8,11 +9,27 @@ import threading
 import uuid
 
 import pytest
-from django.db import transaction
+from django.db import connection, transaction
 
-from jobs.models import Job, OutboxMessage, OutboxState, Run, RunKind, RunState
+from jobs.models import (
+    Job,
+    JobState,
+    OutboxMessage,
+    OutboxState,
+    PartitionLease,
+    Run,
+    RunKind,
+    RunState,
+)
+from jobs.partitions import job_partition
 from storage import schedule
-from storage.schedule import JobAdvance, ScheduledRun, ScheduledWrite, runs_write_scheduled
+from storage.schedule import (
+    JobAdvance,
+    ScheduledRun,
+    ScheduledWrite,
+    jobs_due_claim,
+    runs_write_scheduled,
+)
 from tests.factories import make_job
 from tests.threads import in_thread, wait_for_lock_waiters
 
@@ -30,13 +47,99 @@ def planned(job: Job, at: dt.datetime, state: str = RunState.QUEUED, **overrides
     })  # fmt: skip
 
 
+def due_jobs(user, count: int) -> list[Job]:
+    """`count` active jobs due a minute apart, the oldest first."""
+    jobs = [make_job(user, now=NOW - dt.timedelta(hours=1), name=f"due {n}") for n in range(count)]
+    for n, job in enumerate(jobs):
+        Job.objects.filter(id=job.id).update(next_run_at=NOW - dt.timedelta(minutes=count - n))
+    return jobs
+
+
 def test_the_literals_are_the_models_values():
+    assert schedule.ACTIVE == JobState.ACTIVE
+    assert schedule.JOB_VERSION == Job.versions.field.model._meta.db_table
     assert schedule.SCHEDULED == RunKind.SCHEDULED
     assert (schedule.QUEUED, schedule.SKIPPED) == (RunState.QUEUED, RunState.SKIPPED)
     assert schedule.OUTBOX_PENDING == OutboxState.PENDING
     assert (schedule.RUN, schedule.JOB, schedule.OUTBOX) == (
         Run._meta.db_table, Job._meta.db_table, OutboxMessage._meta.db_table,
     )  # fmt: skip
+
+
+@pytest.mark.django_db
+def test_the_claim_reads_due_active_jobs_with_their_current_spec_in_due_order(user):
+    jobs = due_jobs(user, 3)
+    Job.objects.filter(id=jobs[0].id).update(state=JobState.PAUSED)
+    Job.objects.filter(id=jobs[2].id).update(next_run_at=NOW + dt.timedelta(seconds=1))
+    (claimed,) = jobs_due_claim(now=NOW, limit=10)
+    job = Job.objects.get(id=jobs[1].id)
+    version = job.versions.get(version=job.version)
+    assert claimed == (job.id, JobState.ACTIVE, version.id, version.spec, job.next_run_at,
+                       job.created_at, job.resumed_at, job.owner_id)  # fmt: skip
+    assert isinstance(claimed.spec, dict)
+    assert [row.id for row in jobs_due_claim(now=NOW + dt.timedelta(seconds=1), limit=1)] == [
+        jobs[1].id
+    ]
+
+
+@pytest.mark.django_db
+def test_a_scoped_claim_takes_only_the_jobs_of_partitions_its_holder_holds_now(user):
+    jobs = due_jobs(user, 8)
+    mine = {job_partition(job.id, 4) for job in jobs[:2]}
+    for partition in mine:
+        PartitionLease.objects.create(partition=partition, holder="me", acquired_at=NOW,
+                                      expires_at=NOW + dt.timedelta(days=36500))  # fmt: skip
+    PartitionLease.objects.create(
+        partition=next(iter({0, 1, 2, 3} - mine)),
+        holder="me",
+        acquired_at=NOW,
+        expires_at=dt.datetime(2000, 1, 1, tzinfo=dt.UTC),  # expired on the database's clock
+    )
+    claimed = {row.id for row in jobs_due_claim(now=NOW, limit=10, holder="me", partitions=4)}
+    assert claimed == {job.id for job in jobs if job_partition(job.id, 4) in mine}
+    assert jobs_due_claim(now=NOW, limit=10, holder="nobody", partitions=4) == []
+
+
+@pytest.mark.django_db
+def test_the_claim_walks_the_due_jobs_index_scoped_or_not(user, monkeypatch):
+    due_jobs(user, 3)
+    statements = []
+    monkeypatch.setattr(schedule, "fetch_all", lambda *call: statements.append(call) or [])
+    jobs_due_claim(now=NOW, limit=500)
+    jobs_due_claim(now=NOW, limit=500, holder="me", partitions=4)
+    monkeypatch.undo()
+    for sql, params in statements:
+        with transaction.atomic(), connection.cursor() as cursor:
+            cursor.execute("SET LOCAL enable_seqscan = off")  # tiny tables favour a scan
+            cursor.execute("EXPLAIN " + sql, params)
+            plan = "\n".join(row[0] for row in cursor.fetchall())
+        assert "job_due_idx" in plan, plan
+
+
+@pytest.mark.django_db(transaction=True)
+def test_two_claims_at_once_take_different_jobs(user):
+    """A pass's claim holds its jobs until it commits: another replica's claim passes them
+    over (SKIP LOCKED) instead of waiting, and takes the next due ones."""
+    jobs = due_jobs(user, 4)
+    claimed, release = threading.Event(), threading.Event()
+    first: list = []
+
+    def hold() -> None:
+        with transaction.atomic():
+            first.extend(row.id for row in jobs_due_claim(now=NOW, limit=2))
+            claimed.set()
+            release.wait(30)
+
+    thread = in_thread(hold)
+    assert claimed.wait(30)
+    try:
+        with transaction.atomic():
+            second = [row.id for row in jobs_due_claim(now=NOW, limit=10)]
+    finally:
+        release.set()
+        thread.join(30)
+    assert sorted(first) == sorted([jobs[0].id, jobs[1].id])  # the outer read is unordered
+    assert sorted(second) == sorted([jobs[2].id, jobs[3].id])
 
 
 @pytest.mark.django_db
