@@ -9,7 +9,6 @@ from collections.abc import Callable
 
 from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError
-from django.db import connection
 from django.db.backends.signals import connection_created
 
 from dispatch.clockskew import ClockSkewConfig, clock_skew_run_once
@@ -32,8 +31,7 @@ class Command(BaseCommand):
     help = (
         "Run one scheduler replica: turns due occurrences and retries into queued runs, and "
         "runs the reaper (expired leases, timeouts), reconciliation and pruning loops beside it. "
-        "On PostgreSQL it dispatches only the partitions whose lease it holds, kept by a loop "
-        "of its own."
+        "It dispatches only the partitions whose lease it holds, kept by a loop of its own."
     )
 
     def add_arguments(self, parser):
@@ -82,9 +80,8 @@ class Command(BaseCommand):
             loops = self.loops(options, stop)
         except ValueError as exc:  # a Config refusing an option's value
             raise CommandError(str(exc)) from exc
-        if self.keeper is not None:
-            connection_created.connect(self._scheduler_session_opened, weak=False)
-            self.keeper.first_pass()  # alone, it dispatches every partition from its first pass
+        connection_created.connect(self._scheduler_session_opened, weak=False)
+        self.keeper.first_pass()  # alone, it dispatches every partition from its first pass
         self.stdout.write("scheduler started")
         for loop in loops:
             loop.start()
@@ -102,13 +99,11 @@ class Command(BaseCommand):
             partitions=settings.SCHEDULER_PARTITIONS,
             lease_seconds=settings.SCHEDULER_PARTITION_LEASE_SECONDS if lease is None else lease,
         )
-        self.keeper = None
-        if connection.vendor == "postgresql":  # SQLite: one scheduler, every partition
-            self.keeper = PartitionKeeper(partitions, Listener((CHANNEL_PARTITIONS,), stop))
+        self.keeper = PartitionKeeper(partitions, Listener((CHANNEL_PARTITIONS,), stop))
         scheduler = SchedulerConfig(
             batch_size=options["batch_size"],
             poll_interval=options["poll_interval"],
-            scope=self.keeper.config.scope if self.keeper is not None else None,
+            scope=self.keeper.config.scope,
         )
         listener = Listener((CHANNEL_SCHEDULE,), stop)
         wake = SchedulerWake(scheduler, listener)
@@ -122,13 +117,12 @@ class Command(BaseCommand):
                 close=listener.close,
             )
         ]
-        if self.keeper is not None:
-            step = run_once_step(
-                self.keeper.run_once, self.keeper.config, sleep=self.keeper.sleep_seconds
-            )
-            loops.append(
-                self.loop("partitions", step, stop, wait=self.keeper.wait, close=self.keeper.close)
-            )
+        step = run_once_step(
+            self.keeper.run_once, self.keeper.config, sleep=self.keeper.sleep_seconds
+        )
+        loops.append(
+            self.loop("partitions", step, stop, wait=self.keeper.wait, close=self.keeper.close)
+        )
         skew = ClockSkewConfig(kind="scheduler")
         loops.append(self.loop("clock-skew", run_once_step(clock_skew_run_once, skew), stop))
         if not options["without_reaper"]:
