@@ -5,14 +5,19 @@ from __future__ import annotations
 
 import datetime as dt
 import threading
+import uuid
 
 import pytest
-from django.db import connections, transaction
+from django.db import connection, connections, transaction
 
 from jobs.models import PartitionLease, SchedulerReplica
+from jobs.partitions import job_partition
 from storage.partitions import (
     HolderLeases,
     Session,
+    held_partitions_sql,
+    in_held_partitions_sql,
+    job_partition_sql,
     leases_acquire_free,
     leases_by_holder,
     leases_hand_over,
@@ -236,3 +241,30 @@ def test_a_hand_over_waits_for_a_renewal_in_flight_and_then_gives_it():
         thread.join(30)
         handing.join(30)
     assert given == [{0}] and held_by("b") == {0}
+
+
+@pytest.mark.django_db
+def test_the_partition_in_sql_is_the_partition_in_python():
+    ids = [uuid.uuid4() for _ in range(50)] + [uuid.UUID(int=2**128 - 1), uuid.UUID(int=0)]
+    with connection.cursor() as cursor:
+        for job_id in ids:
+            cursor.execute("SELECT " + job_partition_sql("%s::uuid"), [job_id, 7])
+            assert cursor.fetchone()[0] == job_partition(job_id, 7)
+
+
+@pytest.mark.django_db
+def test_a_partition_is_held_only_under_a_live_lease_of_its_holder():
+    PartitionLease.objects.create(partition=1, holder="me", acquired_at=T0,
+                                  expires_at=dt.datetime(2999, 1, 1, tzinfo=dt.UTC))  # fmt: skip
+    PartitionLease.objects.create(partition=2, holder="me", acquired_at=T0,
+                                  expires_at=dt.datetime(2000, 1, 1, tzinfo=dt.UTC))  # fmt: skip
+    held = held_partitions_sql("%(holder)s", "%(count)s")
+    condition = in_held_partitions_sql("%(partition)s", held)
+    with connection.cursor() as cursor:
+        for partition, holder, count, expected in (
+            (1, "me", 4, True), (2, "me", 4, False), (1, "other", 4, False), (1, "me", 1, False),
+        ):  # fmt: skip
+            cursor.execute(
+                "SELECT " + condition, {"partition": partition, "holder": holder, "count": count}
+            )
+            assert cursor.fetchone()[0] is expected, (partition, holder, count)
