@@ -1,6 +1,6 @@
 """API benchmark: job creation through the web server that `standalone` runs (gunicorn).
 
-    .venv/bin/python bench/api.py --clients 8 --seconds 15 --bulk-requests 20
+    .venv/bin/python -m bench.api --clients 8 --seconds 15 --bulk-requests 20
 
 Creates a fresh PostgreSQL database (dropped afterwards), starts gunicorn on it as
 `standalone` does (sync workers; --web-workers, default 2 per core), then measures:
@@ -42,8 +42,7 @@ import uuid
 from collections import Counter
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import ROOT, bench_environment  # noqa: E402
+from bench.common import ROOT, bench_environment
 
 BODY = {
     "task": "tests.record",
@@ -208,7 +207,11 @@ def _measured(created, elapsed, web_cpu, database_cpu, statuses, watch) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.api",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--clients", type=int, default=8)
     parser.add_argument("--seconds", type=float, default=15.0)
     parser.add_argument("--bulk-requests", type=int, default=20)

@@ -4,9 +4,9 @@ A plain Celery app (no Django, no database) whose task does nothing but note whe
 started. Its workers get the options the product's workers get (JSON, persistent messages,
 prefetch 1, the same pool, count and concurrency), so the ratio of the two measures what
 the product adds: durable runs, leases, outcomes, logs. Acknowledgement is late by default
-(issue 10 defines the baseline so; `acks_late=False` matches the product's early acks).
+(the baseline's definition; `acks_late=False` matches the product's early acks).
 
-    celery -A bare_celery worker -Q bare    # started by `bare_celery_burst`, from bench/
+    celery -A bench.bare_celery worker -Q bare   # started by `bare_celery_burst`, from the root
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from pathlib import Path
 from celery import Celery
 
 QUEUE = "bare"
-HERE = Path(__file__).resolve().parent
+ROOT = Path(__file__).resolve().parent.parent
 
 app = Celery("bare_celery", broker=os.environ.get("CELERY_BROKER_URL", "amqp://localhost"))
 app.conf.update(
@@ -82,12 +82,12 @@ def bare_celery_burst(
     )
     app.conf.broker_url = broker_url
     log = open(workdir / "bare-workers.log", "ab")  # noqa: SIM115
-    argv = [sys.executable, "-m", "celery", "-A", "bare_celery", "worker", "-Q", QUEUE,
+    argv = [sys.executable, "-m", "celery", "-A", "bench.bare_celery", "worker", "-Q", QUEUE,
             f"--concurrency={concurrency}", f"--pool={pool}", "--loglevel=WARNING",
             "--without-gossip", "--without-mingle"]  # fmt: skip
     processes = [
         subprocess.Popen(
-            [*argv, "-n", f"bare{index}@%h"], env=env, cwd=HERE, stdout=log, stderr=log
+            [*argv, "-n", f"bare{index}@%h"], env=env, cwd=ROOT, stdout=log, stderr=log
         )  # fmt: skip
         for index in range(workers)
     ]

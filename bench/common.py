@@ -19,6 +19,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 PG = os.environ.get("BENCH_PG", "postgres://postgres@127.0.0.1:5432")
 RABBIT = os.environ.get("BENCH_RABBIT", "amqp://guest:guest@127.0.0.1:5672")
+# Where runs write their JSON: under var/, which git ignores. The few results the docs cite
+# are kept in bench/results/, each named for what it shows.
+RESULTS = ROOT / "var" / "bench"
 
 
 @contextlib.contextmanager
@@ -46,7 +49,6 @@ def bench_environment(prefix: str, *, task_modules: str) -> Iterator[tuple[dict,
         "SCHEDULER_OWNER_MAX_JOBS": "10000000",
     }
     os.environ.update(env)
-    sys.path.insert(0, str(ROOT))
     import django
 
     django.setup()
@@ -201,7 +203,7 @@ def bench_owner():
 
 
 def validated_spec(body: dict) -> dict:
-    from jobs.validation import JobSpecSerializer
+    from jobs.api.validation import JobSpecSerializer
 
     spec = JobSpecSerializer(data=body)
     spec.is_valid(raise_exception=True)
@@ -209,8 +211,8 @@ def validated_spec(body: dict) -> dict:
 
 
 def bench_task() -> str:
-    """The task the workloads schedule: tests.record, or what `run.py --task` chose (such as
-    tests.record_packed, the same no-op declared `pack=20`)."""
+    """The task the workloads schedule: tests.record, or what `python -m bench.run --task`
+    chose (such as tests.record_packed, the same no-op declared `pack=20`)."""
     return os.environ.get("BENCH_TASK", "tests.record")
 
 
@@ -319,6 +321,11 @@ def git_commit() -> str:
                               text=True, check=True).stdout.strip()  # fmt: skip
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
+
+
+def results_path(started: dt.datetime, suffix: str = "") -> Path:
+    """var/bench/<UTC timestamp><suffix>.json: the default file a run writes."""
+    return RESULTS / f"{started:%Y%m%dT%H%M%SZ}{suffix}.json"
 
 
 def results_header(args, started: dt.datetime) -> dict:

@@ -1,6 +1,6 @@
 """Log capture overhead: a handler printing N lines, with capture on and with it off.
 
-    .venv/bin/python bench/logs.py --lines 10000 --runs 5
+    .venv/bin/python -m bench.logs --lines 10000 --runs 5
 
 Creates a fresh PostgreSQL database and RabbitMQ vhost (dropped afterwards), starts a real
 scheduler, relay and one Celery worker (concurrency 1), and runs the same job `--runs`
@@ -19,12 +19,15 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import ROOT, bench_environment  # noqa: E402
+from bench.common import ROOT, bench_environment
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.logs",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--lines", type=int, default=10_000)
     parser.add_argument("--runs", type=int, default=5)
     args = parser.parse_args()
@@ -38,9 +41,9 @@ def run_logs_bench(args, env: dict, workdir: Path) -> None:
     from django.contrib.auth import get_user_model
 
     from dispatch.commands import worker_argv
+    from jobs.api.validation import JobSpecSerializer
     from jobs.models import Run, RunState
     from jobs.services import job_create
-    from jobs.validation import JobSpecSerializer
     from logs_app.models import LogManifest
 
     processes: list[subprocess.Popen] = []

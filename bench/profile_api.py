@@ -1,28 +1,25 @@
 """Profile of POST /api/v1/jobs/ in one process: where a creation's web CPU goes.
 
-    .venv/bin/python bench/profile_api.py --requests 2000 [--profile 30] [--no-keys]
-    .venv/bin/python bench/profile_api.py --bulk 1000 --requests 5   # POST /jobs/bulk/
-    .venv/bin/python bench/profile_api.py --preview --requests 2000  # bench/api.py's DRF floor
+    .venv/bin/python -m bench.profile_api --requests 2000 [--profile 30] [--no-keys]
+    .venv/bin/python -m bench.profile_api --bulk 1000 --requests 5   # POST /jobs/bulk/
+    .venv/bin/python -m bench.profile_api --preview --requests 2000  # bench.api's DRF floor
 
 Creates a fresh PostgreSQL database (dropped afterwards), then sends N creations through
 Django's full request cycle (middleware, DRF, the database) with Django's test client, in
 this process and without HTTP, and prints requests/s of that process alone. `--profile`
 repeats them under cProfile and prints the functions that took the most time (cProfile
 slows Python down: the rate without it is the figure). The HTTP figure, with gunicorn and
-concurrent clients, is bench/api.py's.
+concurrent clients, is bench.api's.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from api import BODY, PREVIEW  # noqa: E402
-from common import bench_environment, print_profile  # noqa: E402
+from bench.api import BODY, PREVIEW
+from bench.common import bench_environment, print_profile
 
 
 def _post(client, token: str, path: str, body, expected: int, **headers) -> None:
@@ -62,12 +59,16 @@ def _bulks(client, token: str, count: int, size: int, keys: bool, prefix: str) -
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.profile_api",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--requests", type=int, default=2000)
     parser.add_argument("--profile", type=int, default=0, help="print cProfile's top N")
     parser.add_argument("--no-keys", dest="keys", action="store_false")
     parser.add_argument("--bulk", type=int, default=0, help="POST /jobs/bulk/ of this size")
-    parser.add_argument("--preview", action="store_true", help="the DRF floor (bench/api.py)")
+    parser.add_argument("--preview", action="store_true", help="the DRF floor (bench.api)")
     args = parser.parse_args()
     with bench_environment("bench_profile_api", task_modules="tests.sample_tasks"):
         import datetime as dt

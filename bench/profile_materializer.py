@@ -1,8 +1,8 @@
 """The scheduler path alone: how fast due occurrences become runs (no relay, no workers).
 
-    .venv/bin/python bench/profile_materializer.py pass --jobs 10000 [--profile 25]
-    .venv/bin/python bench/profile_materializer.py replicas --jobs 10000 --schedulers 2
-    .venv/bin/python bench/profile_materializer.py precision --trials 50
+    .venv/bin/python -m bench.profile_materializer pass --jobs 10000 [--profile 25]
+    .venv/bin/python -m bench.profile_materializer replicas --jobs 10000 --schedulers 2
+    .venv/bin/python -m bench.profile_materializer precision --trials 50
 
 - `pass`: N one-time jobs due now, materialized in this process by `scheduler_run_once`
   passes until none is due; prints runs/s, and with --profile the top cProfile entries.
@@ -12,7 +12,7 @@
 - `precision`: one scheduler replica on an idle database; one one-time job at a time, due
   a few hundred ms after it is created; prints the discovery lag over the trials.
 
-Each mode makes a fresh PostgreSQL database (bench/common.py), dropped afterwards. The
+Each mode makes a fresh PostgreSQL database (bench.common), dropped afterwards. The
 jobs are written in bulk, as `jobs.services.job_create` writes them (job, first version),
 so creating 10,000 takes seconds, not minutes; `precision` creates its jobs through
 `job_create` itself, whose NOTIFY is part of what it measures.
@@ -30,8 +30,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import ROOT, bench_environment  # noqa: E402
+from bench.common import ROOT, bench_environment
 
 
 def quantiles(values: list[float]) -> str:
@@ -44,7 +43,7 @@ def quantiles(values: list[float]) -> str:
 
 
 def one_time_spec(run_at: dt.datetime, **overrides) -> dict:
-    from jobs.validation import JobSpecSerializer
+    from jobs.api.validation import JobSpecSerializer
 
     serializer = JobSpecSerializer(
         data={
@@ -213,7 +212,11 @@ def mode_precision(args, env: dict, workdir: Path) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.profile_materializer",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("mode", choices=("pass", "replicas", "precision"))
     parser.add_argument("--jobs", type=int, default=10_000)
     parser.add_argument("--batch-size", type=int, default=None, help="default: the product's")

@@ -1,6 +1,6 @@
 """What partitions cost the scheduler's claim and its wake-up, by jobs and by due jobs.
 
-    .venv/bin/python bench/profile_partitions.py [--cases 1000:100,200000:100,200000:20000]
+    .venv/bin/python -m bench.profile_partitions [--cases 1000:100,200000:100,200000:20000]
 
 For each case (jobs:due) on a fresh table: the jobs and their versions inserted by SQL (the
 due ones due a second ago, the others spread over the next day), three replicas sharing 64
@@ -16,13 +16,10 @@ from __future__ import annotations
 import argparse
 import re
 import statistics
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import bench_environment  # noqa: E402
-from profile_materializer import create_jobs_in_bulk  # noqa: E402
+from bench.common import bench_environment
+from bench.profile_materializer import create_jobs_in_bulk
 
 BATCH = 500
 
@@ -118,7 +115,11 @@ def entries_visited(scope) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.profile_partitions",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--cases", default="1000:100,200000:100,200000:20000")
     parser.add_argument("--trials", type=int, default=30)
     args = parser.parse_args()

@@ -1,9 +1,9 @@
 """Relay benchmark and profile: how fast `relay_run_once` empties an outbox of N pending rows.
 
-    .venv/bin/python bench/profile_relay.py --rows 10000 [--batch-size 1000] [--relays 2]
-    .venv/bin/python bench/profile_relay.py --rows 10000 --profile 25   # + cProfile's top 25
-    .venv/bin/python bench/profile_relay.py --latency 200   # one row at a time, idle relay
-    .venv/bin/python bench/profile_relay.py --feed --rows 20000 --relays 2   # while written
+    .venv/bin/python -m bench.profile_relay --rows 10000 [--batch-size 1000] [--relays 2]
+    .venv/bin/python -m bench.profile_relay --rows 10000 --profile 25   # + cProfile's top 25
+    .venv/bin/python -m bench.profile_relay --latency 200   # one row at a time, idle relay
+    .venv/bin/python -m bench.profile_relay --feed --rows 20000 --relays 2   # while written
 
 Creates a fresh PostgreSQL database and RabbitMQ vhost (dropped afterwards), writes N queued
 runs with their outbox rows (through jobs.outbox, as the scheduler does), then runs the
@@ -29,10 +29,8 @@ import multiprocessing
 import statistics
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import ROOT, bench_environment, print_profile  # noqa: E402
+from bench.common import ROOT, bench_environment, print_profile
 
 # The bench's runs are manual (no occurrence to be unique on): they travel in the manual
 # lane of `jobs` (jobs/lanes.py).
@@ -47,11 +45,11 @@ def fill_outbox(rows: int, chunk: int = 5000) -> None:
     from django.contrib.auth import get_user_model
     from django.db import transaction
 
+    from jobs.api.validation import JobSpecSerializer
     from jobs.clock import db_now
     from jobs.models import Job, Run, RunKind, RunState
     from jobs.outbox import outbox_enqueue_runs
     from jobs.services import job_create
-    from jobs.validation import JobSpecSerializer
 
     owner = get_user_model().objects.get_or_create(username="bench")[0]
     now = db_now()
@@ -91,7 +89,8 @@ def drain(batch_size: int) -> int:
     """Run relay steps until the outbox is empty; the rows this process published."""
     from django.conf import settings
 
-    from dispatch.relay import ConfirmingPublisher, RelayConfig, relay_run_once
+    from dispatch.broker import ConfirmingPublisher
+    from dispatch.relay import RelayConfig, relay_run_once
     from jobs.clock import db_now
 
     # No high-water mark: the bench measures publishing into a queue no worker drains.
@@ -223,7 +222,11 @@ def latency(trials: int, env: dict) -> list[float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.profile_relay",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--rows", type=int, default=10_000)
     parser.add_argument("--batch-size", type=int, default=None, help="the relay's default")
     parser.add_argument("--relays", type=int, default=1)

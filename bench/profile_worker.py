@@ -1,11 +1,11 @@
 """Profile of the worker path: one Celery worker (`--pool=solo`, so every task runs in the
 profiled main thread) under cProfile, over `--jobs` runs of a no-op job.
 
-    .venv/bin/python bench/profile_worker.py --jobs 2000 --output bench/results/profile.txt
+    .venv/bin/python -m bench.profile_worker --jobs 2000 --output var/bench/profile.txt
 
 A real scheduler and relay feed it (a fresh database and vhost, dropped afterwards); the
 jobs are due at one instant, so the worker is never idle for long. Prints, per run, how
-often the worker's path calls what the issue counts (statements, connections, commits,
+often the worker's path does what costs time outside Python (statements, connections, commits,
 threads), then the top functions by cumulative and by own time. The lease keeper's and log
 shipper's threads are not profiled (cProfile follows one thread): their cost shows as the
 statements and time of the threads they start, not inside them.
@@ -22,9 +22,7 @@ import sys
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-from common import (  # noqa: E402
+from bench.common import (
     ROOT,
     Stack,
     bench_environment,
@@ -47,7 +45,11 @@ COUNTED = [
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.profile_worker",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--jobs", type=int, default=2000)
     parser.add_argument("--top", type=int, default=45)
     parser.add_argument("--timeout", type=float, default=1800)
@@ -71,7 +73,7 @@ def main() -> None:
         if args.output:
             saved = args.output.with_suffix(".prof")
             saved.write_bytes(out.read_bytes())
-            print(f"profile saved: {saved} (bench/profile_worker.py --from-prof reads it)")
+            print(f"profile saved: {saved} (python -m bench.profile_worker --from-prof reads it)")
     print(text)
     if args.output:
         args.output.parent.mkdir(parents=True, exist_ok=True)
@@ -122,7 +124,7 @@ def report(out: Path, *, runs: int, wall: float | None, top: int) -> str:
     text.write(
         f"Worker-path profile: one worker, --pool=solo, cProfile, {runs} runs of tests.record\n"
         f"(a no-op that appends one line to a file when SAMPLE_TASK_RECORD is set; unset here).\n"
-        f"Taken {dt.datetime.now(dt.UTC):%Y-%m-%d %H:%M} UTC by bench/profile_worker.py on "
+        f"Taken {dt.datetime.now(dt.UTC):%Y-%m-%d %H:%M} UTC by bench.profile_worker on "
         f"{git_commit()};\n{rate}. Machine: 2 "
         f"cores shared with other sessions (noisy);\nthe counts per run are exact, the times "
         f"are not.\n\n"

@@ -1,13 +1,13 @@
 """Throughput per replica, each beside its floor in the same run (docs/scale.md).
 
-    .venv/bin/python bench/replicas.py all --repeat 3
-    .venv/bin/python bench/replicas.py scheduler --jobs 20000   # runs created per second
-    .venv/bin/python bench/replicas.py promoter --jobs 20000    # pending runs queued per second
-    .venv/bin/python bench/replicas.py relay --rows 20000       # rows published per second
-    .venv/bin/python bench/replicas.py worker --runs 4000       # a worker's database path
+    .venv/bin/python -m bench.replicas all --repeat 3
+    .venv/bin/python -m bench.replicas scheduler --jobs 20000   # runs created per second
+    .venv/bin/python -m bench.replicas promoter --jobs 20000    # pending runs queued per second
+    .venv/bin/python -m bench.replicas relay --rows 20000       # rows published per second
+    .venv/bin/python -m bench.replicas worker --runs 4000       # a worker's database path
 
 One process does the work of one replica, in this process, on a fresh database and vhost
-(bench/common.py), alternating with its floor `--repeat` times (medians are reported):
+(bench.common), alternating with its floor `--repeat` times (medians are reported):
 - scheduler: `scheduler_run_once` passes over a backlog of `--jobs` one-time jobs due now
   until none is left: runs (with their outbox rows) created per second. Floor: the same
   rows written by PostgreSQL alone, one INSERT ... SELECT a batch of 500 (the claim, the
@@ -25,7 +25,7 @@ One process does the work of one replica, in this process, on a fresh database a
   broker: runs per second in one process. Floor: one durable UPDATE of the run row a run.
 Beside each rate: this process's CPU and its PostgreSQL backend's CPU (from /proc) per run,
 the two costs a replica and a primary pay per run. Writes
-bench/results/<UTC timestamp>-replicas-<mode>-<queue type>.json.
+var/bench/<UTC timestamp>-replicas-<mode>-<queue type>.json.
 """
 
 from __future__ import annotations
@@ -35,15 +35,12 @@ import datetime as dt
 import json
 import os
 import statistics
-import sys
 import time
 import uuid
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-from common import bench_environment, results_header, validated_spec  # noqa: E402
-from scale import insert_jobs, table_names  # noqa: E402
+from bench.common import bench_environment, results_header, results_path, validated_spec
+from bench.scale import insert_jobs, table_names
 
 TICK = os.sysconf("SC_CLK_TCK")
 
@@ -334,7 +331,8 @@ def relay_product(count: int, publisher) -> dict:
 
 
 def relay_floor(messages: list, publisher) -> dict:
-    from dispatch.relay import RelayConfig, published_at_text
+    from dispatch.broker import published_at_text
+    from dispatch.relay import RelayConfig
 
     batch = RelayConfig().batch_size
 
@@ -359,7 +357,8 @@ def purge() -> None:
 def mode_relay(args, names: Names) -> dict:
     from django.conf import settings
 
-    from dispatch.relay import ConfirmingPublisher, PendingMessage
+    from dispatch.broker import ConfirmingPublisher
+    from storage.outbox import PendingMessage
 
     out = {}
     publisher = ConfirmingPublisher(
@@ -394,7 +393,7 @@ def mode_relay(args, names: Names) -> dict:
 
 
 def worker_product(run_ids: list[str], pack: int) -> dict:
-    from dispatch.runtime import run_execute_deliveries, run_execute_delivery
+    from dispatch.worker import run_execute_deliveries, run_execute_delivery
 
     published = dt.datetime.now(dt.UTC).isoformat()
 
@@ -498,7 +497,11 @@ MODES = {
 
 
 def main(argv: list[str] | None = None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m bench.replicas",
+        description=__doc__,
+        formatter_class=argparse.RawTextHelpFormatter,
+    )
     p.add_argument("mode", choices=[*MODES, "all"])
     p.add_argument("--jobs", type=int, default=20_000, help="scheduler: due jobs")
     p.add_argument("--rows", type=int, default=20_000, help="relay: outbox rows")
@@ -509,12 +512,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--output", type=Path, default=None)
     args = p.parse_args(argv)
     started = dt.datetime.now(dt.UTC)
-    output = (
-        args.output
-        or HERE
-        / "results"
-        / f"{started:%Y%m%dT%H%M%SZ}-replicas-{args.mode}-{args.queue_type}.json"
-    )
+    output = args.output or results_path(started, f"-replicas-{args.mode}-{args.queue_type}")
     document = {
         **results_header(args, started),
         "results": {},
@@ -524,7 +522,7 @@ def main(argv: list[str] | None = None) -> dict:
     modes = list(MODES) if args.mode == "all" else [args.mode]
     try:
         with bench_environment("benchrep", task_modules="tests.sample_tasks"):
-            from common import bench_owner
+            from bench.common import bench_owner
 
             bench_owner()
             for mode in modes:

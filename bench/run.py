@@ -1,20 +1,20 @@
-"""The benchmark harness: every workload of issue 10, on the real stack, in one command.
+"""The benchmark harness: every workload of docs/benchmarks.md, on the real stack, in one command.
 
-    .venv/bin/python bench/run.py w1 --jobs 10000     # burst: N one-time jobs due at once
-    .venv/bin/python bench/run.py w2 --jobs 1000 --minutes 3   # steady cron, every minute
-    .venv/bin/python bench/run.py w3                  # W1 1,000 behind 200,000 future jobs
-    .venv/bin/python bench/run.py claim --jobs 10000  # scheduler + relay only, no workers
-    .venv/bin/python bench/run.py precision           # one job at a time, 100 trials
-    .venv/bin/python bench/run.py bare --jobs 10000   # bare Celery alone
-    .venv/bin/python bench/run.py all                 # each of the above once, in turn
+    .venv/bin/python -m bench.run w1 --jobs 10000     # burst: N one-time jobs due at once
+    .venv/bin/python -m bench.run w2 --jobs 1000 --minutes 3   # steady cron, every minute
+    .venv/bin/python -m bench.run w3                  # W1 1,000 behind 200,000 future jobs
+    .venv/bin/python -m bench.run claim --jobs 10000  # scheduler + relay only, no workers
+    .venv/bin/python -m bench.run precision           # one job at a time, 100 trials
+    .venv/bin/python -m bench.run bare --jobs 10000   # bare Celery alone
+    .venv/bin/python -m bench.run all                 # each of the above once, in turn
 
 Each invocation makes a fresh PostgreSQL database and RabbitMQ vhost (dropped afterwards)
 and starts real scheduler, relay and Celery worker processes (`--schedulers`, `--relays`,
 `--workers`, `--concurrency`, `--pool`). W1 also drains as many no-op tasks through bare
-Celery (bench/bare_celery.py: same broker, pool, workers and concurrency, late acks) in
+Celery (bench.bare_celery: same broker, pool, workers and concurrency, late acks) in
 the same run, and prints the ratio: on a shared, noisy machine the ratio is the figure to
 quote. `--repeat K` runs everything K times and reports medians. Prints a table and writes
-everything measured to bench/results/<UTC timestamp>.json.
+everything measured to var/bench/<UTC timestamp>.json (`--output` to choose).
 """
 
 from __future__ import annotations
@@ -24,12 +24,9 @@ import datetime as dt
 import json
 import os
 import statistics
-import sys
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-from common import bench_environment, results_header  # noqa: E402
+from bench.common import bench_environment, results_header, results_path
 
 # Per workload, the defaults that differ from the common ones (`--jobs` mostly).
 DEFAULT_JOBS = {"w1": 10_000, "w2": 1_000, "w3": 1_000, "claim": 10_000, "bare": 10_000}
@@ -37,7 +34,11 @@ ALL = ["w1", "w2", "w3", "claim", "precision"]
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m bench.run",
+        description=__doc__,
+        formatter_class=argparse.RawTextHelpFormatter,
+    )
     p.add_argument("workload", choices=[*DEFAULT_JOBS, "precision", "all"])
     p.add_argument("--jobs", type=int, help="jobs per workload (w1/claim/bare 10000, w2/w3 1000)")
     p.add_argument("--minutes", type=int, default=3, help="W2: minute boundaries measured")
@@ -100,7 +101,7 @@ def fmt(value, unit: str = "") -> str:
 
 
 def rows(name: str, r: dict) -> list[tuple[str, str, str, str, str]]:
-    """(figure, product, bare Celery, ratio, issue 10's target) for the table."""
+    """(figure, product, bare Celery, ratio, target) for the table."""
     if name == "w1":
         b = r["bare"]
         out = [
@@ -192,12 +193,12 @@ def main(argv: list[str] | None = None) -> dict:
     os.environ["BENCH_TASK"] = args.task  # read by bench.common.bench_task
     names = ALL if args.workload == "all" else [args.workload]
     started = dt.datetime.now(dt.UTC)
-    output = args.output or HERE / "results" / f"{started:%Y%m%dT%H%M%SZ}.json"
+    output = args.output or results_path(started)
     document = {
         **results_header(args, started),
         "results": {},
     }
-    from workloads import WORKLOADS
+    from bench.workloads import WORKLOADS
 
     try:
         with bench_environment("bench", task_modules="tests.sample_tasks") as (env, workdir):

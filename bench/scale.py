@@ -1,8 +1,8 @@
 """Costs that grow with due work only: a scheduler pass with 1,000,000 jobs of which 100
-are due, against the same pass with 1,000 jobs, in one run (issue 11).
+are due, against the same pass with 1,000 jobs, in one run (docs/scale.md).
 
-    .venv/bin/python bench/scale.py --jobs 1000000     # the issue's figure (~5 min here)
-    .venv/bin/python bench/scale.py --quick            # 1,000 against 50,000: a check (~1 min)
+    .venv/bin/python -m bench.scale --jobs 1000000     # docs/scale.md's figure (~5 min here)
+    .venv/bin/python -m bench.scale --quick            # 1,000 against 50,000: a check (~1 min)
 
 Two databases of the product, the same in everything but their size:
 - `--small` (1,000) or `--jobs` (1,000,000) daily cron jobs due 2 to 24 hours ahead, each
@@ -34,7 +34,7 @@ reconciler and reaper must change nothing, or the bench says so. Then `--profile
 transaction is not counted) and, for the last, time every statement. Prints median and p90
 (ms) per step and size and the ratio of the medians, the buffers, and the statements over
 `--statements` ms side by side; writes everything to
-bench/results/<UTC timestamp>-scale-<jobs>.json. Both databases are dropped at the end.
+var/bench/<UTC timestamp>-scale-<jobs>.json. Both databases are dropped at the end.
 """
 
 from __future__ import annotations
@@ -46,19 +46,17 @@ import json
 import os
 import statistics
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-from common import (  # noqa: E402
+from bench.common import (
     PG,
     bench_environment,
     bench_owner,
     quantile,
     results_header,
+    results_path,
     validated_spec,
 )
 
@@ -79,7 +77,11 @@ STEPS = [
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m bench.scale",
+        description=__doc__,
+        formatter_class=argparse.RawTextHelpFormatter,
+    )
     p.add_argument("--jobs", type=int, default=1_000_000, help="future jobs of the large size")
     p.add_argument("--small", type=int, default=1_000, help="future jobs of the small size")
     p.add_argument("--due", type=int, default=100, help="jobs falling due before each pass")
@@ -309,7 +311,7 @@ def finish_published() -> int:
     product does at a run's end happens as it does in production. Returns how many."""
     from django.db import transaction
 
-    from dispatch.runtime import run_execute_delivery
+    from dispatch.worker import run_execute_delivery
     from jobs.clock import db_now
     from jobs.models import OutboxMessage
     from jobs.outbox import outbox_delete_published
@@ -593,7 +595,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.jobs <= args.small or args.passes < args.rounds or args.due < 1:
         raise SystemExit("need --jobs > --small, --passes >= --rounds and --due >= 1")
     started = dt.datetime.now(dt.UTC)
-    output = args.output or HERE / "results" / f"{started:%Y%m%dT%H%M%SZ}-scale-{args.jobs}.json"
+    output = args.output or results_path(started, f"-scale-{args.jobs}")
     document = {
         **results_header(args, started),
         "sizes": [str(args.small), str(args.jobs)],

@@ -3,7 +3,7 @@ hot path: the median time of the materializer's INSERT of 1,000 runs, of the rel
 a batch of 1,000 outbox rows, of a claim's UPDATE of one run, and of `attempt_succeed`, with
 the six triggers enabled and disabled (everything else alike, 0008's triggers included).
 
-    .venv/bin/python bench/state_tallies.py [--repeat 30]
+    .venv/bin/python -m bench.state_tallies [--repeat 30]
 
 Creates a fresh PostgreSQL database (dropped afterwards) and 1,000 queued runs with their
 outbox rows through a real scheduler pass; each timed statement runs in a transaction that is
@@ -16,12 +16,9 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import statistics
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import bench_environment  # noqa: E402
+from bench.common import bench_environment
 
 RUNS = 1000
 
@@ -45,7 +42,11 @@ def timed(step) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.state_tallies",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--repeat", type=int, default=30)
     args = parser.parse_args()
     with bench_environment("bench_tallies", task_modules="tests.sample_tasks"):
@@ -56,9 +57,9 @@ def main() -> None:
         from jobs.models import Run
         from jobs.services import job_create_bulk
         from jobs.transitions import attempt_succeed, run_claim
+        from storage.tallies import STATE_TALLY_TRIGGERS
         from tests.factories import job_spec
 
-        migration = __import__("jobs.migrations.0020_state_tallies", fromlist=["TRIGGERS"])
         now = dt.datetime.now(dt.UTC)
         owner = get_user_model().objects.create_user("bench")
         specs = [
@@ -105,7 +106,7 @@ def main() -> None:
 
         def triggers(enabled: bool) -> None:
             with connection.cursor() as cursor:
-                for name, table in migration.TRIGGERS:
+                for name, table in STATE_TALLY_TRIGGERS:
                     action = "ENABLE" if enabled else "DISABLE"
                     cursor.execute(f"ALTER TABLE {table} {action} TRIGGER {name}")
 

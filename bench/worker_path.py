@@ -1,6 +1,6 @@
 """The worker's database path in process: claim, run a no-op handler, complete.
 
-    .venv/bin/python bench/worker_path.py --runs 2000 [--profile] [--pack 20]
+    .venv/bin/python -m bench.worker_path --runs 2000 [--profile] [--pack 20]
 
 No broker and no Celery: it measures what one delivery costs our code and PostgreSQL
 (statements per run, runs per second in one process, and with --profile the functions
@@ -15,16 +15,17 @@ import cProfile
 import datetime as dt
 import io
 import pstats
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import bench_environment  # noqa: E402
+from bench.common import bench_environment
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.worker_path",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--runs", type=int, default=2000)
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--pack", type=int, default=1, help="runs per delivered message")
@@ -38,12 +39,12 @@ def measure(args) -> None:
     from django.db import connection
     from django.test.utils import CaptureQueriesContext
 
-    from dispatch.runtime import run_execute_deliveries, run_execute_delivery
     from dispatch.scheduler import SchedulerConfig, scheduler_run_once
+    from dispatch.worker import run_execute_deliveries, run_execute_delivery
+    from jobs.api.validation import JobSpecSerializer
     from jobs.clock import db_now
     from jobs.models import Run, RunState
     from jobs.services import job_create
-    from jobs.validation import JobSpecSerializer
 
     owner = get_user_model().objects.create_user("bench")
     now = db_now()

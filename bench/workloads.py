@@ -1,4 +1,4 @@
-"""The workloads of `bench/run.py`; each returns a dict of figures (seconds, runs/s).
+"""The workloads of `bench.run`; each returns a dict of figures (seconds, runs/s).
 
 Every figure comes from the product's own records (the Run rows' stage timestamps, written
 with the database's clock) or, for bare Celery, from its tasks' start times; both clocks
@@ -12,8 +12,8 @@ import datetime as dt
 import random
 import time
 
-from bare_celery import bare_celery_burst
-from common import (
+from bench.bare_celery import bare_celery_burst
+from bench.common import (
     Stack,
     bench_owner,
     bench_task,

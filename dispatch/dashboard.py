@@ -22,7 +22,6 @@ from django.http import HttpRequest, HttpResponse, HttpResponseForbidden
 from django.shortcuts import render
 
 from jobs.clock import db_now
-from jobs.metrics import oldest_overdue_seconds, runs_by_state_and_backlog
 from jobs.models import (
     Attempt,
     AttemptState,
@@ -34,7 +33,7 @@ from jobs.models import (
     RunState,
 )
 from jobs.roles import user_is_operator
-from jobs.selectors import job_list, run_list
+from jobs.selectors import job_list, oldest_overdue_seconds, run_list, runs_by_state_and_backlog
 
 from .charts import Series, line_chart
 from .reconciler import BrokerQueueDepth

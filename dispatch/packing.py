@@ -2,7 +2,7 @@
 broker message (`job_task(name, pack=N)`), so a burst costs a fraction of the messages,
 task dispatches and broker round trips. The worker runs a pack's runs one after another,
 each claimed when its turn comes, and records their successes together
-(dispatch.runtime.run_execute_deliveries).
+(dispatch.worker.run_execute_deliveries).
 
 Only rows that would have made identical messages but for their run share one: the same
 task, queue, priority and time limit. Order is kept within each pack (oldest first).

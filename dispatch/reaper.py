@@ -15,15 +15,17 @@ import datetime as dt
 import logging
 import time
 
-from django.db import OperationalError, connection, transaction
+from django.db import OperationalError, transaction
 from django.db.models import Q
 
 from jobs.models import Attempt, AttemptState
-from jobs.services import attempt_record_failure, attempt_release_unstarted
+from jobs.outcomes import Failure, attempts_record_failure
+from jobs.services import attempt_release_unstarted
 from jobs.transitions import attempt_abandon
+from storage.attempts import lock_timeout_set_local
 
 from .config import config_require
-from .runtime import HARD_TIME_LIMIT_GRACE
+from .worker.limits import HARD_TIME_LIMIT_GRACE
 
 log = logging.getLogger("dispatch.reaper")
 
@@ -56,12 +58,6 @@ class ReaperResult:
     timed_out: int
     batch_full: bool
     released: int = 0  # reserved attempts of a lost pack that never started
-
-
-def _bounded_lock_wait(seconds: float) -> None:
-    if connection.vendor == "postgresql":
-        with connection.cursor() as cursor:
-            cursor.execute(f"SET LOCAL lock_timeout = '{int(seconds * 1000)}ms'")
 
 
 class OutageGrace:
@@ -119,18 +115,13 @@ def reaper_run_once(*, now: dt.datetime, config: ReaperConfig) -> ReaperResult:
         )
         try:
             with transaction.atomic():
-                _bounded_lock_wait(config.lock_timeout_seconds)
-                outcome = attempt_record_failure(
-                    attempt=attempt,
-                    spec=run.job_version.spec,
-                    retry_base=run.retry_base,
-                    ended=ended,
-                    error=error,
-                    now=now,
-                    by="reaper",
-                    # Still expired when ended: a lease renewed since the read above wins.
-                    only_if=expired,
-                )
+                lock_timeout_set_local(seconds=config.lock_timeout_seconds)
+                failure = Failure(attempt=attempt, spec=run.job_version.spec,
+                                  retry_base=run.retry_base, ended=ended, error=error)  # fmt: skip
+                # Still expired when ended: a lease renewed since the read above wins.
+                outcome = attempts_record_failure(
+                    failures=[failure], now=now, by="reaper", only_if=expired
+                )[attempt.id]
                 if outcome is None and attempt_abandon(attempt=attempt, now=now, error=error):
                     # Its run moved on without it (a bug or a hand edit): end it alone, or
                     # it would be read again on every pass.
@@ -190,7 +181,7 @@ def _release(attempts: list[Attempt], *, now: dt.datetime, config: ReaperConfig)
     for attempt in attempts:
         try:
             with transaction.atomic():
-                _bounded_lock_wait(config.lock_timeout_seconds)
+                lock_timeout_set_local(seconds=config.lock_timeout_seconds)
                 if attempt_release_unstarted(
                     attempt=attempt, by="reaper",
                     error="its pack's worker was lost before its turn",

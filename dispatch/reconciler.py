@@ -48,9 +48,10 @@ from jobs.models import (
     RunState,
 )
 from jobs.outbox import outbox_enqueue_runs, run_lane_queue
-from jobs.retry import retry_decision
-from jobs.transitions import run_count_republish, run_end_orphan, run_give_up
+from jobs.outcomes import runs_record_orphaned
+from jobs.transitions import run_count_republish, run_give_up
 
+from .broker import queue_depth
 from .config import config_require
 from .loop import BROKER_ERRORS
 from .shares import MAX_QUEUES, owner_at_limit
@@ -285,21 +286,12 @@ def _repair_orphaned_running(*, now: dt.datetime, config: ReconcileConfig) -> in
         .filter(~Exists(live))[: config.batch_size]
     )
     repaired = 0
+    moved = runs_record_orphaned(runs=orphans, now=now)
     for run in orphans:
-        decision = retry_decision(
-            spec=run.job_version.spec,
-            attempt_number=run.attempt_count,
-            retry_base=run.retry_base,
-            ended=AttemptState.LOST,
-            now=now,
-        )
-        retry_at = decision.retry_at
-        if run_end_orphan(run_id=run.id, token=run.fencing_token, now=now, retry_at=retry_at,
-                          reason=decision.failure_reason):  # fmt: skip
+        if run.id in moved:
             repaired += 1
             _record(run, action="run.orphan_repaired", kind="orphaned_running",
-                    data={"fencing_token": run.fencing_token,
-                          "to": "retry_wait" if retry_at else "failed"})  # fmt: skip
+                    data={"fencing_token": run.fencing_token, "to": moved[run.id]})  # fmt: skip
             log.error("run %s was running without a live attempt; repaired", run.id)
     return repaired
 
@@ -407,7 +399,7 @@ class BrokerQueueDepth:
         try:
             self.connection.ensure_connection(max_retries=1)
             with self.connection.channel() as channel:
-                return channel.queue_declare(queue=queue, passive=True).message_count
+                return queue_depth(channel, queue)
         except BROKER_ERRORS as exc:
             if "NOT_FOUND" in str(exc) or "404" in str(exc):
                 return 0  # no such queue: nothing can be waiting in it

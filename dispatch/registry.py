@@ -38,7 +38,7 @@ def job_task(name: str, *, pack: int = 1, **celery_options):
         ):
             # Imported at delivery, not at import: task modules (and this one, through
             # `dispatch`) load while Django's apps are still loading, before the models.
-            from .runtime import PackInterrupted, run_execute_deliveries, run_execute_delivery
+            from .worker import PackInterrupted, run_execute_deliveries, run_execute_delivery
 
             identity = {
                 "handler": handler,

@@ -27,7 +27,7 @@ from jobs.models import Job, JobState, Run, RunState
 from jobs.notify import notified_instant
 from jobs.partitions import PartitionScope, in_partitions, partitions_held
 
-from .completer import CompleterConfig, CompleterResult, completer_run_once
+from .completer import CompleterConfig, CompleterResult, CompleterWindow, completer_run_once
 from .config import config_require
 from .materializer import MaterializerConfig, materializer_run_once
 from .promoter import PromoterConfig, promoter_run_once
@@ -63,7 +63,11 @@ class SchedulerResult:
     jobs_paused: int = 0  # by pause_after_failures
 
 
-def scheduler_run_once(*, now: dt.datetime, config: SchedulerConfig) -> SchedulerResult:
+def scheduler_run_once(
+    *, now: dt.datetime, config: SchedulerConfig, completer_window: CompleterWindow | None = None
+) -> SchedulerResult:
+    """One pass; `completer_window`: where the completer's walk is, kept by the loop (None:
+    a walk from the first job awaiting completion)."""
     marks = [time.monotonic()]  # when each step ended, after when the pass began
     materialized = materializer_run_once(
         now=now, config=MaterializerConfig(batch_size=config.batch_size, scope=config.scope)
@@ -80,7 +84,11 @@ def scheduler_run_once(*, now: dt.datetime, config: SchedulerConfig) -> Schedule
     completed = (
         CompleterResult()
         if backlog
-        else completer_run_once(now=now, config=CompleterConfig(batch_size=config.batch_size))
+        else completer_run_once(
+            now=now,
+            config=CompleterConfig(batch_size=config.batch_size),
+            window=completer_window if completer_window is not None else CompleterWindow(),
+        )
     )
     marks.append(time.monotonic())
     if marks[-1] - marks[0] > SLOW_PASS_SECONDS:
@@ -155,10 +163,11 @@ class SchedulerWake:
         self._until: float | None = None  # time.monotonic() of the next due instant
         # (the database's clock, time.monotonic()) read together at the latest look.
         self._anchor: tuple[dt.datetime, float] | None = None
+        self.completer_window = CompleterWindow()  # the completer's walk, pass after pass
 
     def run_once(self, *, now: dt.datetime, config: SchedulerConfig) -> SchedulerResult:
         self._pass_started_at = now
-        return scheduler_run_once(now=now, config=config)
+        return scheduler_run_once(now=now, config=config, completer_window=self.completer_window)
 
     def _next_wake(self, pass_started_at: dt.datetime | None = None) -> tuple[float, float]:
         """(seconds until the next due instant, the time.monotonic() they count from): read

@@ -29,17 +29,16 @@ import collections
 import itertools
 from collections.abc import Iterable
 
-from django.db import connection
 from django.db.models import Count
 
-from jobs.models import OWNER_LIMIT_STATES, ActiveRun, OutboxMessage, OutboxState, OwnerLimit
+from jobs.models import OWNER_LIMIT_STATES, ActiveRun, OwnerLimit
+from storage.outbox import PendingMessage, outbox_claim_pending
+from storage.shares import owner_limits_try_lock, owners_list_pending
 
 # Queues one relay step (or reconciliation pass) looks at, each a question to the broker.
 MAX_QUEUES = 1000
 MAX_OWNERS = 1000  # owners of one queue sharing one step; the next step starts after them
 ROUNDS = 3  # rounds in which an unused share goes to the other owners
-# The advisory lock space of owners' limits (pg_try_advisory_xact_lock(space, key)).
-LIMIT_LOCK_SPACE = 0x5EED
 
 
 class OwnerTurns:
@@ -70,40 +69,8 @@ UNSET = object()  # an owner without an operator's limit
 def _owners_with_pending_rows(queue: str, *, after) -> dict:
     """Up to MAX_OWNERS owners with pending rows in the queue, in order of id after
     `after`, each with its operator's limit (UNSET where none): one statement."""
-    pending = OutboxMessage.objects.filter(state=OutboxState.PENDING, queue=queue)
-    if connection.vendor != "postgresql":
-        if after is not None:
-            pending = pending.filter(owner_id__gt=after)
-        owners = pending.order_by("owner_id").values_list("owner_id", flat=True).distinct()
-        owners = list(owners[:MAX_OWNERS])
-        limits = OwnerLimit.objects.filter(owner_id__in=owners)
-        found = dict(limits.values_list("owner_id", "max_active_runs"))
-        return {owner: found.get(owner, UNSET) for owner in owners}
-    table, limits = OutboxMessage._meta.db_table, OwnerLimit._meta.db_table
-    start = "AND owner_id > %(after)s" if after is not None else ""
-    with connection.cursor() as cursor:
-        cursor.execute(
-            f"""
-            WITH RECURSIVE owners (owner_id) AS (
-                (SELECT owner_id FROM {table}
-                  WHERE state = %(pending)s AND queue = %(queue)s {start}
-                  ORDER BY owner_id LIMIT 1)
-                UNION ALL
-                SELECT (SELECT o.owner_id FROM {table} AS o
-                         WHERE o.state = %(pending)s AND o.queue = %(queue)s
-                           AND o.owner_id > owners.owner_id
-                         ORDER BY o.owner_id LIMIT 1)
-                  FROM owners WHERE owners.owner_id IS NOT NULL
-            ), found AS (
-                SELECT owner_id FROM owners WHERE owner_id IS NOT NULL LIMIT %(limit)s
-            )
-            SELECT found.owner_id, limits.owner_id IS NOT NULL, limits.max_active_runs
-              FROM found LEFT JOIN {limits} AS limits USING (owner_id)
-             ORDER BY found.owner_id
-            """,
-            {"pending": OutboxState.PENDING, "queue": queue, "after": after, "limit": MAX_OWNERS},
-        )
-        return {owner: limit if set_ else UNSET for owner, set_, limit in cursor.fetchall()}
+    found = owners_list_pending(queue=queue, after=after, limit=MAX_OWNERS)
+    return {owner.owner_id: owner.max_active_runs if owner.limit_set else UNSET for owner in found}
 
 
 def owners_active(owners: Iterable) -> dict:
@@ -130,22 +97,6 @@ def owner_at_limit(owner, *, default_limit: int | None) -> bool:
     return active.count() >= limit
 
 
-def owners_locked(owners: list) -> set:
-    """The owners whose limit this transaction now holds (an advisory lock each, released at
-    commit); another relay holding one right now is claiming for that owner."""
-    if not owners:
-        return set()
-    if connection.vendor != "postgresql":
-        return set(owners)  # SQLite runs one writing transaction at a time
-    with connection.cursor() as cursor:
-        cursor.execute(
-            "SELECT owner FROM unnest(%s) AS owner "
-            "WHERE pg_try_advisory_xact_lock(%s, hashtext(owner::text))",
-            [owners, LIMIT_LOCK_SPACE],
-        )
-        return {owner for (owner,) in cursor.fetchall()}
-
-
 def allowances(owners: dict, *, default_limit: int | None) -> tuple[dict, set]:
     """Owner -> how many more of its runs may be published now (None: no limit), and the
     limited owners among them (whose publications are recorded as ActiveRun). `owners`:
@@ -153,7 +104,8 @@ def allowances(owners: dict, *, default_limit: int | None) -> tuple[dict, set]:
     SCHEDULER_OWNER_MAX_ACTIVE_RUNS)."""
     limits = {owner: default_limit if limit is UNSET else limit for owner, limit in owners.items()}
     limited = [owner for owner in owners if limits[owner] is not None]
-    locked = owners_locked(limited)
+    # Relays claiming for one owner at once: the one that does not get the lock passes it over.
+    locked = owner_limits_try_lock(owners=limited)
     active = owners_active(locked)
     allowed = {owner: None for owner in owners if limits[owner] is None}
     for owner in limited:
@@ -178,21 +130,21 @@ def shares(room: int, owners: list, allowed: dict) -> dict:
     return result
 
 
-def claim_shares(queue: str, *, room: int, owners: list, allowed: dict, fields: list[str]):
-    """Claim up to `room` of the queue's pending rows (their `fields`, the owner's id last),
-    shared among `owners` in turn, locked FOR UPDATE SKIP LOCKED; interleaved by owner."""
+def claim_shares(queue: str, *, room: int, owners: list, allowed: dict) -> list[PendingMessage]:
+    """Claim up to `room` of the queue's pending rows, shared among `owners` in turn,
+    locked FOR UPDATE SKIP LOCKED; interleaved by owner."""
     allowed = dict(allowed)
-    taken: dict[object, list] = {owner: [] for owner in owners}
+    taken: dict[object, list[PendingMessage]] = {owner: [] for owner in owners}
     ids: list[int] = []
     for _ in range(ROUNDS):
         quotas = shares(room, owners, allowed)
         if not quotas:
             break
-        rows = _claim(queue, quotas=quotas, exclude=ids, fields=fields)
-        got = collections.Counter(row[-1] for row in rows)
+        rows = outbox_claim_pending(queue=queue, quotas=quotas, exclude=ids)
+        got = collections.Counter(row.owner_id for row in rows)
         for row in rows:
-            taken[row[-1]].append(row)
-            ids.append(row[0])
+            taken[row.owner_id].append(row)
+            ids.append(row.id)
         room -= len(rows)
         # An owner that did not fill its share has no more rows (or they are locked).
         for owner in owners:
@@ -201,44 +153,7 @@ def claim_shares(queue: str, *, room: int, owners: list, allowed: dict, fields: 
             elif allowed[owner] is not None:
                 allowed[owner] -= got[owner]
     # Each owner's rows by priority, then oldest first; then one of each owner in turn.
-    priority, row_id = fields.index("priority"), fields.index("id")
     ordered = [
-        sorted(rows, key=lambda row: (-row[priority], row[row_id]))
-        for rows in taken.values()
-        if rows
+        sorted(rows, key=lambda row: (-row.priority, row.id)) for rows in taken.values() if rows
     ]
     return [row for turn in itertools.zip_longest(*ordered) for row in turn if row is not None]
-
-
-def _claim(queue: str, *, quotas: dict, exclude: list[int], fields: list[str]) -> list[tuple]:
-    pending = OutboxMessage.objects.filter(state=OutboxState.PENDING, queue=queue)
-    if connection.vendor != "postgresql":
-        return [
-            row
-            for owner, quota in quotas.items()
-            for row in pending.filter(owner_id=owner)
-            .exclude(id__in=exclude)
-            .order_by("-priority", "id")
-            .values_list(*fields, "owner_id")[:quota]
-        ]
-    table = OutboxMessage._meta.db_table
-    owner_type = OutboxMessage._meta.get_field("owner").target_field.rel_db_type(connection)
-    columns = ", ".join(f"m.{field}" for field in fields)
-    with connection.cursor() as cursor:
-        cursor.execute(
-            f"""
-            SELECT {columns}, m.owner_id
-              FROM unnest(%(owners)s::{owner_type}[], %(quotas)s::int[]) AS share (owner, quota)
-             CROSS JOIN LATERAL (
-                   SELECT * FROM {table} AS pending
-                    WHERE pending.state = %(pending)s AND pending.queue = %(queue)s
-                      AND pending.owner_id = share.owner AND pending.id <> ALL(%(exclude)s)
-                    ORDER BY pending.priority DESC, pending.id
-                    LIMIT share.quota
-                      FOR UPDATE SKIP LOCKED
-                   ) AS m
-            """,
-            {"owners": list(quotas), "quotas": list(quotas.values()), "queue": queue,
-             "pending": OutboxState.PENDING, "exclude": exclude},
-        )  # fmt: skip
-        return cursor.fetchall()

@@ -20,7 +20,13 @@ import logging
 from collections.abc import Callable
 
 from django.contrib.auth.models import AbstractBaseUser
-from django.db import connection, transaction
+from django.db import transaction
+
+from storage.idempotency import (
+    idempotency_record_insert_answered,
+    idempotency_records_answer,
+    idempotency_records_insert_pending,
+)
 
 from .models import IdempotencyRecord
 
@@ -85,8 +91,14 @@ def idempotent_answer(
                 # the work is then rolled back and done the careful way below, as is any
                 # work that did not succeed: its answer may be the key's earlier one.
                 answer = produce()
-                if 200 <= answer.status < 300 and _insert_answered(
-                    owner=owner, scope=scope, key=key, digest=digest, answer=answer, now=now
+                if 200 <= answer.status < 300 and idempotency_record_insert_answered(
+                    owner_id=owner.pk,
+                    scope=scope,
+                    key=key,
+                    request_hash=digest,
+                    status=answer.status,
+                    body=answer.body,
+                    now=now,
                 ):
                     return answer
                 raise _Undone
@@ -126,8 +138,12 @@ def idempotency_claim(
     if not pending:
         return earlier
     for _ in range(2):  # a second try only after removing expired holders
-        taken = _insert_ignoring_held(owner=owner, scope=scope, digests=digests, keys=pending,
-                                      now=now)  # fmt: skip
+        taken = idempotency_records_insert_pending(
+            owner_id=owner.pk,
+            scope=scope,
+            pending=[(key, digests[key]) for key in pending],
+            now=now,
+        )
         held = [key for key in pending if key not in taken]
         if not held:
             return earlier
@@ -145,75 +161,13 @@ def idempotency_claim(
     raise IdempotencyConflict(f"Idempotency-Key '{pending[0]}' is being used concurrently.")
 
 
-def _json_rows(columns: dict[str, str]) -> str:
-    """A FROM item whose rows are the objects of one JSON array parameter (`columns`: name
-    -> PostgreSQL type): the statement's size and parsing stay the same for any number of
-    rows, where VALUES had a placeholder per value."""
-    if connection.vendor == "postgresql":
-        names = ", ".join(f"{name} {kind}" for name, kind in columns.items())
-        return f"jsonb_to_recordset(%s::jsonb) AS v({names})"
-    values = ", ".join(f"json_extract(value, '$.{name}') AS {name}" for name in columns)
-    return f"(SELECT {values} FROM json_each(%s)) AS v"
-
-
-# The columns an insert of a record writes, in the order both inserts give their values.
-_INSERTED = ("owner_id", "scope", "key", "request_hash", "response_status", "response_body",
-             "created_at")  # fmt: skip
-
-
-def _insert_ignoring_held(
-    *, owner, scope: str, digests: dict[str, str], keys: list[str], now: dt.datetime
-) -> set[str]:
-    """INSERT ... ON CONFLICT DO NOTHING RETURNING key (PostgreSQL, and SQLite 3.35+): no
-    savepoint, and one round trip for any number of keys, inserted in the order given."""
-    quote = connection.ops.quote_name
-    table = quote(IdempotencyRecord._meta.db_table)
-    rows = json.dumps([{"k": key, "h": digests[key]} for key in keys])
-    at = connection.ops.adapt_datetimefield_value(now)
-    with connection.cursor() as cursor:
-        cursor.execute(
-            f"INSERT INTO {table} ({', '.join(map(quote, _INSERTED))}) "
-            f"SELECT %s, %s, v.k, v.h, 0, '{{}}', %s FROM {_json_rows({'k': 'text', 'h': 'text'})} "
-            f"WHERE true ON CONFLICT DO NOTHING RETURNING {quote('key')}",
-            [owner.pk, scope, at, rows],
-        )
-        return {row[0] for row in cursor.fetchall()}
-
-
-def _insert_answered(
-    *, owner, scope: str, key: str, digest: str, answer: Answer, now: dt.datetime
-) -> bool:
-    """The record of a key with its answer, unless the key has one (or a holder, which
-    this waits for): whether it was inserted."""
-    quote = connection.ops.quote_name
-    with connection.cursor() as cursor:
-        cursor.execute(
-            f"INSERT INTO {quote(IdempotencyRecord._meta.db_table)} "
-            f"({', '.join(map(quote, _INSERTED))}) VALUES (%s, %s, %s, %s, %s, %s, %s) "
-            "ON CONFLICT DO NOTHING RETURNING 1",
-            [owner.pk, scope, key, digest, answer.status, json.dumps(answer.body),
-             connection.ops.adapt_datetimefield_value(now)],
-        )  # fmt: skip
-        return cursor.fetchone() is not None
-
-
 def idempotency_store(
     *, owner: AbstractBaseUser, scope: str, status: int, bodies: dict[str, dict | list]
 ) -> None:
     """Fill the records `idempotency_claim` took with their answers, one statement."""
     if not bodies:
         return
-    quote = connection.ops.quote_name
-    table = quote(IdempotencyRecord._meta.db_table)
-    rows = json.dumps([{"k": key, "body": body} for key, body in bodies.items()])
-    with connection.cursor() as cursor:
-        cursor.execute(
-            f"UPDATE {table} SET {quote('response_status')} = %s, {quote('response_body')} = "
-            f"v.body FROM {_json_rows({'k': 'text', 'body': 'jsonb'})} "
-            f"WHERE {table}.{quote('owner_id')} = %s AND {table}.{quote('scope')} = %s "
-            f"AND {table}.{quote('key')} = v.k",
-            [status, rows, owner.pk, scope],
-        )
+    idempotency_records_answer(owner_id=owner.pk, scope=scope, status=status, bodies=bodies)
 
 
 def idempotency_prune(*, now: dt.datetime, limit: int = 1000) -> int:

@@ -28,7 +28,7 @@ class RunState(models.TextChoices):
     """A run's lifecycle; each comment names the component that moves a run out of it."""
 
     PENDING = "pending"  # held back (jitter, buffer_one); dispatch.promoter queues it
-    QUEUED = "queued"  # outbox committed; the worker's claim (dispatch.runtime) runs it
+    QUEUED = "queued"  # outbox committed; the worker's claim (dispatch.worker) runs it
     RUNNING = "running"  # an attempt holds the lease; its outcome (worker, reaper) moves it
     RETRY_WAIT = "retry_wait"  # dispatch.promoter re-queues it at next_attempt_at
     SUCCEEDED = "succeeded"  # terminal
@@ -144,7 +144,10 @@ class Run(models.Model):
     state = models.CharField(max_length=16, choices=RunState.choices)
     scheduled_for = models.DateTimeField()
     # Stable across every attempt: what handlers give external systems to deduplicate.
-    idempotency_key = models.CharField(max_length=200, unique=True)
+    # Unique by a constraint (jobs_run_idempotency_key_key): the field's `unique=True`
+    # would add a LIKE index (varchar_pattern_ops) beside it that no query uses and every
+    # version of a run writes.
+    idempotency_key = models.CharField(max_length=200)
     # The last fencing token issued; an attempt is current only while it holds this one.
     fencing_token = models.PositiveIntegerField(default=0)
     attempt_count = models.PositiveIntegerField(default=0)
@@ -204,6 +207,9 @@ class Run(models.Model):
             ),
         ]
         constraints = [
+            models.UniqueConstraint(
+                fields=["idempotency_key"], name="jobs_run_idempotency_key_key"
+            ),
             # One scheduled run per occurrence, however many scheduler replicas run.
             models.UniqueConstraint(
                 fields=["job", "scheduled_for"],
@@ -241,11 +247,15 @@ class Attempt(models.Model):
     # started_at + timeout_seconds: the worker stops the handler then; the reaper after.
     deadline_at = models.DateTimeField(null=True, blank=True)
     heartbeat_at = models.DateTimeField()
-    # None while the attempt is reserved with its pack (dispatch.runtime) and its handler
+    # None while the attempt is reserved with its pack (dispatch.worker) and its handler
     # has not been seen to start; the worker records the start with the outcome.
     started_at = models.DateTimeField(null=True, blank=True)
     finished_at = models.DateTimeField(null=True, blank=True)
     error = models.TextField(blank=True, default="")
+    # Given back unstarted (a pack's reserved attempt its worker never reached, or released
+    # by the reaper: `jobs.transitions.attempt_release`): ended `lost` without counting
+    # against its run's retry budget, nor in scheduler_attempts_total (storage.tallies).
+    released = models.BooleanField(default=False, db_default=False)
 
     class Meta:
         ordering = ["run", "number"]
@@ -512,7 +522,7 @@ class ThrottleWindow(models.Model):
 
 class Tally(models.Model):
     """One shard of a metric that PostgreSQL's triggers keep as the events commit
-    (jobs/migrations/0008_tally.py; docs/operations.md, "Metrics"): a histogram bucket
+    (storage.tallies; docs/operations.md, "Metrics"): a histogram bucket
     (`labels` `le="0.5"`: observations in that bucket alone, with their sum) or a counter
     (`outcome="failed"`). Each database session adds to its own shard, so concurrent
     workers never wait on one row; /metrics adds the shards up."""

@@ -1,15 +1,32 @@
-"""Reads on jobs and runs, always scoped to what the user may see."""
+"""Reads on jobs and runs: those that list jobs and runs always scoped to what the user
+may see; the operator's figures (runs by state, due work overdue) read the whole system."""
 
 from __future__ import annotations
 
+import datetime as dt
 import json
+import re
 
 from django.contrib.auth.models import AbstractBaseUser
-from django.db.models import Prefetch, QuerySet
+from django.db.models import Min, Prefetch, QuerySet
 from django.db.models.fields.json import KeyTextTransform
+from django.db.models.functions import Coalesce, Greatest
 
-from .models import Attempt, AuditEvent, Job, JobVersion, Run
+from storage import tallies
+from storage.metrics import tallies_sum
+
+from .models import (
+    Attempt,
+    AuditEvent,
+    Job,
+    JobState,
+    JobVersion,
+    OutboxMessage,
+    OutboxState,
+    Run,
+)
 from .redaction import redact_change, redact_value
+from .retention import DEAD_LETTER_PRUNED
 from .roles import user_is_operator
 from .services import spec_diff
 
@@ -40,9 +57,8 @@ def job_list(*, user: AbstractBaseUser, filters: dict | None = None) -> QuerySet
             jobs = jobs.filter(**{field: filters[field]})
     if filters.get("label"):
         key, value = filters["label"]
-        # A key transform rather than `labels__contains`, which SQLite (the embedded
-        # default) does not have; and no `labels__<key>` lookup, which would read `__` in
-        # a key as a path.
+        # A key transform rather than a `labels__<key>` lookup, which would read `__` in a
+        # key as a path.
         jobs = jobs.alias(label_value=KeyTextTransform(key, "labels")).filter(label_value=value)
     if filters.get("created_after"):
         jobs = jobs.filter(created_at__gte=filters["created_after"])
@@ -138,3 +154,57 @@ def job_history(*, job: Job, redacted: bool = False) -> dict:
         "events": events[:HISTORY_EVENTS_LIMIT],
         "more_events": len(events) > HISTORY_EVENTS_LIMIT,
     }
+
+
+# -- the operator's figures (/metrics, the dashboard): the whole system, no user scope ----
+
+# The key of runs_by_state_and_backlog's count of failed runs pruned (not a run state).
+PRUNED_FAILED = "pruned_failed"
+# A tally's or a counter's labels as stored: `kind="effect"`, `state="queued"`.
+LABEL = re.compile(r'(\w+)="([^"]*)"')
+# The tallies the triggers keep of the runs by state and of the outbox backlog.
+RUN_TALLY, BACKLOG_TALLY = tallies.RUNS_BY_STATE, tallies.OUTBOX_BACKLOG
+
+
+def oldest_overdue_seconds(*, now: dt.datetime, oldest_pending: dt.datetime | None = None) -> float:
+    """How long the oldest due work not yet handed to the broker has waited: a due
+    occurrence not yet materialized, counted from the job's acceptance (creation or
+    resume) when that came later, as the discovery lag is (a job dated 2020 is not six
+    years overdue; through job_due_idx's due range), or a run whose message waits in the
+    outbox (a queue at its high-water mark, an owner at its limit), counted from when it
+    became publishable. `oldest_pending`: that outbox row's created_at, when known."""
+    due_since = Greatest("next_run_at", "created_at", Coalesce("resumed_at", "created_at"))
+    oldest = Job.objects.filter(state=JobState.ACTIVE, next_run_at__lte=now).aggregate(
+        at=Min(due_since)
+    )["at"]
+    if oldest_pending is None:
+        oldest_pending = oldest_pending_outbox().first()
+    waiting = [at for at in (oldest, oldest_pending) if at is not None]
+    return max(0.0, (now - min(waiting)).total_seconds()) if waiting else 0.0
+
+
+def oldest_pending_outbox() -> QuerySet:
+    """The pending outbox rows' created_at, oldest first: its first is one probe of
+    outbox_pending_age_idx, however long the backlog."""
+    return (
+        OutboxMessage.objects.filter(state=OutboxState.PENDING)
+        .order_by("created_at")
+        .values_list("created_at", flat=True)
+    )
+
+
+def runs_by_state_and_backlog() -> tuple[dict[str, int], int]:
+    """(runs by state, outbox rows pending): the tallies the triggers keep, summed over the
+    shards (a few dozen rows, however many runs). Under PRUNED_FAILED, the failed runs
+    retention deleted, read in the same snapshot as the failed runs
+    (scheduler_dead_letter_total must never go back)."""
+    rows = tallies_sum(names=[RUN_TALLY, BACKLOG_TALLY, DEAD_LETTER_PRUNED])
+    runs, backlog = {PRUNED_FAILED: 0}, 0
+    for name, labels, count, _total in rows:
+        if name == BACKLOG_TALLY:
+            backlog = int(count)
+        elif name == DEAD_LETTER_PRUNED:
+            runs[PRUNED_FAILED] = int(count)
+        else:
+            runs[dict(LABEL.findall(labels))["state"]] = int(count)
+    return runs, backlog

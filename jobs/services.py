@@ -8,24 +8,23 @@ import time
 
 from django.conf import settings
 from django.contrib.auth.models import AbstractBaseUser
-from django.db import connection, transaction
-from django.db.models import F, Max, Q, Window
-from django.db.models.functions import RowNumber
+from django.db import transaction
+from django.db.models import Max, Q
+
+from storage.jobs import jobs_latest_finished_runs
+from storage.rows import rows_insert
 
 from . import keys
 from .audit import audit_event, audit_record
 from .clock import db_now
 from .counters import counter_increment
-from .models import AttemptState, Job, JobState, JobVersion, Run, RunKind, RunState
+from .models import Job, JobState, JobVersion, Run, RunKind, RunState
 from .notify import CHANNEL_SCHEDULE, notify
 from .outbox import outbox_discard_pending, outbox_enqueue_runs
-from .retry import retry_decision
-from .rows import rows_insert
 from .schedules import job_first_fire, job_next_fire, job_resume_point
 from .transitions import (
     ACTIVE_RUN_STATES,
     LIVE_JOB_STATES,
-    attempt_fail,
     attempt_release,
     job_mark_deleted,
     job_replace_spec,
@@ -114,14 +113,14 @@ def job_create_bulk(
         for spec, first in zip(specs, first_fires, strict=True)
     ]  # fmt: skip
     with transaction.atomic(savepoint=False):
-        rows_insert(
+        rows_insert(groups=[
             jobs,
             [JobVersion(job=job, version=job.version, spec=job.spec, created_by=owner)
              for job in jobs],
             [audit_event(action="job.created", actor=owner, job_id=job.id,
                          data={"version": job.version, **({"bulk": True} if bulk else {})})
              for job in jobs],
-        )  # fmt: skip
+        ])  # fmt: skip
         firsts = [job.next_run_at for job in jobs if job.next_run_at is not None]
         if firsts:
             notify(CHANNEL_SCHEDULE, at=min(firsts))
@@ -137,58 +136,6 @@ def run_record_duplicate_delivery(*, run_id, worker: str, message_id: str) -> No
         counter_increment("scheduler_duplicate_deliveries_total")
 
 
-def attempt_record_failure(
-    *,
-    attempt,
-    spec: dict,
-    retry_base: int,
-    ended: str,
-    error: str,
-    now: dt.datetime,
-    by: str,
-    retryable: bool = True,
-    only_if: Q | None = None,
-) -> str | None:
-    """End a running attempt that did not succeed (`ended`: AttemptState.FAILED, TIMED_OUT
-    or LOST), and retry or fail its run by `jobs.retry.retry_decision`.
-
-    Returns the run's new state, or None when the attempt no longer held the current token
-    (a stale outcome: nothing changed). `by` names the component, for the run's history.
-    """
-    decision = retry_decision(spec=spec, attempt_number=attempt.number, retry_base=retry_base,
-                              ended=ended, retryable=retryable, now=now)  # fmt: skip
-    # No savepoint: a refused outcome writes nothing, so there is nothing to roll back.
-    with transaction.atomic(savepoint=False):
-        won = attempt_fail(
-            attempt=attempt,
-            now=now,
-            error=error,
-            retry_at=decision.retry_at,
-            reason=decision.failure_reason,
-            attempt_to=ended,
-            only_if=only_if,
-        )
-        if not won:
-            return None
-        if ended != AttemptState.FAILED:
-            # A lost or timed-out attempt is not the handler's own report: keep it visible.
-            retry_at = decision.retry_at
-            audit_record(action=f"attempt.{ended}", by=by, run_id=attempt.run_id,
-                         data={"attempt": attempt.number, "fencing_token": attempt.fencing_token,
-                               "retry_at": retry_at.isoformat() if retry_at else None,
-                               "failure_reason": decision.failure_reason})  # fmt: skip
-        if ended == AttemptState.LOST:
-            counter_increment("scheduler_lease_expired_total")
-        if decision.retry_at is not None:
-            # The promoter queues the retry at its instant.
-            notify(CHANNEL_SCHEDULE, at=decision.retry_at)
-        if decision.retry_at is None:
-            # After the commit, in its own transaction: pausing locks the job row, and doing
-            # it here (attempt and run locked) would invert the scheduler's job-then-run order.
-            transaction.on_commit(lambda: _pause_job_of_run_if_failing(attempt.run_id, now))
-    return RunState.RETRY_WAIT if decision.retry_at else RunState.FAILED
-
-
 def attempt_release_unstarted(*, attempt, by: str, error: str, only_if: Q | None = None) -> bool:
     """End a reserved attempt that never started, without charging it to the run's budget,
     and queue its run again through the promoter (`jobs.transitions.attempt_release`).
@@ -202,12 +149,6 @@ def attempt_release_unstarted(*, attempt, by: str, error: str, only_if: Q | None
                            "reason": error})  # fmt: skip
         notify(CHANNEL_SCHEDULE, at=now)  # the promoter queues it at once
     return True
-
-
-def _pause_job_of_run_if_failing(run_id, now: dt.datetime) -> None:
-    job = Job.objects.filter(runs__id=run_id).first()
-    if job is not None and job.spec.get("pause_after_failures"):
-        job_pause_if_failing(job=job, now=now)
 
 
 def run_cancel_request(*, run: Run, actor: AbstractBaseUser | None, now: dt.datetime) -> bool:
@@ -486,55 +427,13 @@ def jobs_pause_if_failing(*, jobs: list[Job], now: dt.datetime) -> set:
     return paused
 
 
-# Per job, its latest `limit` finished runs since its last resume, newest first: a backward
-# walk of run_job_finished_idx that stops after `limit` rows, whatever the job's history.
-LATEST_FINISHED = f"""
-SELECT limits.job_id, latest.state
-  FROM unnest(%(jobs)s::uuid[], %(limits)s::int[]) AS limits(job_id, n)
-  JOIN {Job._meta.db_table} j ON j.id = limits.job_id
- CROSS JOIN LATERAL (
-       SELECT r.state FROM {Run._meta.db_table} r
-        WHERE r.job_id = limits.job_id AND r.state IN ('failed', 'succeeded')
-          AND r.finished_at IS NOT NULL
-          AND (j.resumed_at IS NULL OR r.finished_at > j.resumed_at)
-        ORDER BY r.finished_at DESC, r.id DESC
-        LIMIT limits.n) AS latest"""
-
-
 def _latest_finished_runs(limits: dict) -> tuple[dict, set]:
     """(job id -> failed runs among its latest `limits[job]` finished ones, the jobs of
     which one of those succeeded)."""
     failed, other = dict.fromkeys(limits, 0), set()
-    if connection.vendor == "postgresql":
-        with connection.cursor() as cursor:
-            cursor.execute(LATEST_FINISHED, {"jobs": list(limits), "limits": list(limits.values())})
-            for job_id, state in cursor.fetchall():
-                if state == RunState.FAILED:
-                    failed[job_id] += 1
-                else:
-                    other.add(job_id)
-        return failed, other
-    last_first = Window(
-        RowNumber(),
-        partition_by=[F("job_id")],
-        order_by=[F("finished_at").desc(), F("id").desc()],
-    )
-    finished = (
-        Run.objects.filter(
-            job_id__in=list(limits),
-            state__in=[RunState.SUCCEEDED, RunState.FAILED],
-            finished_at__isnull=False,
-        )
-        .filter(Q(job__resumed_at=None) | Q(finished_at__gt=F("job__resumed_at")))
-        .annotate(last=last_first)
-        .filter(last__lte=max(limits.values()))
-        .values_list("job_id", "state", "last")
-    )
-    failed, other = dict.fromkeys(limits, 0), set()
-    for job_id, state, last in finished:
-        if last <= limits[job_id]:
-            if state == RunState.FAILED:
-                failed[job_id] += 1
-            else:
-                other.add(job_id)
+    for job_id, state in jobs_latest_finished_runs(limits=limits):
+        if state == RunState.FAILED:
+            failed[job_id] += 1
+        else:
+            other.add(job_id)
     return failed, other

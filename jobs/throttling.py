@@ -18,32 +18,16 @@ from __future__ import annotations
 import time
 
 from django.contrib import admin
-from django.db import connection
 from django.http import HttpResponse
 from rest_framework import serializers
 from rest_framework.throttling import ScopedRateThrottle, SimpleRateThrottle, UserRateThrottle
 
-from .models import ThrottleWindow
-
-
-def throttle_hit(*, key: str, window: int) -> int:
-    """Count one request under `key` in `window`; the requests counted in it so far."""
-    table = ThrottleWindow._meta.db_table
-    with connection.cursor() as cursor:
-        cursor.execute(
-            f"""INSERT INTO {table} (throttle_key, bucket, hits) VALUES (%s, %s, 1)
-                ON CONFLICT (throttle_key) DO UPDATE SET
-                    hits = CASE WHEN {table}.bucket = excluded.bucket
-                                THEN {table}.hits + 1 ELSE 1 END,
-                    bucket = excluded.bucket
-                RETURNING hits""",
-            [key[:200], window],
-        )
-        return cursor.fetchone()[0]
+from storage.throttle import throttle_hit
 
 
 class SharedWindowThrottle(SimpleRateThrottle):
-    """DRF's rate parsing and keys, counted with `throttle_hit` instead of a cache."""
+    """DRF's rate parsing and keys, counted with `storage.throttle.throttle_hit` instead of a
+    cache."""
 
     _wait: float | None = None
 

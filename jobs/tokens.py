@@ -11,16 +11,15 @@ defends guessable secrets, and a 160-bit random key is not guessable.
 from __future__ import annotations
 
 import datetime as dt
-import functools
 import hashlib
 import secrets
 
 from django.conf import settings
 from django.contrib.auth.models import AbstractBaseUser
-from django.db import connection
-from django.db.models import Q
 from django.utils import timezone
 from rest_framework import authentication, exceptions
+
+from storage.tokens import token_owner
 
 from .models import ApiToken
 
@@ -59,57 +58,10 @@ def tokens_revoke(*, tokens, now: dt.datetime) -> int:
     return tokens.filter(revoked_at=None).update(revoked_at=now)
 
 
-@functools.cache
-def _owner_query() -> tuple[type, str, list[str], list[tuple[int, list]]]:
-    """token_user's lookup on PostgreSQL: the owner's model, its SQL, the owner's fields it
-    reads, and the (position, converters) of those that convert database values (a custom
-    user model's JSON field, say). Every API request authenticates: building the ORM's join, filters
-    and instances each time cost about 2 ms of CPU a request (bench/profile_api.py
-    --preview: 6.7 ms a request in one process before, 4.3 ms after), several times the
-    database's work; the statement is the same every time."""
-    owner = ApiToken._meta.get_field("owner")
-    user = owner.related_model
-    quote = connection.ops.quote_name
-    fields = user._meta.concrete_fields
-    columns = ", ".join(f"u.{quote(field.column)}" for field in fields)
-    sql = (
-        f"SELECT {columns} FROM {quote(ApiToken._meta.db_table)} AS t "
-        f"JOIN {quote(user._meta.db_table)} AS u "
-        f"ON u.{quote(owner.target_field.column)} = t.{quote(owner.column)} "
-        "WHERE t.digest = %s AND t.revoked_at IS NULL "
-        "AND (t.expires_at IS NULL OR t.expires_at > %s)"
-    )
-    converters = [
-        (index, found)
-        for index, field in enumerate(fields)
-        if (found := field.get_db_converters(connection))
-    ]
-    return user, sql, [field.attname for field in fields], converters
-
-
 def token_user(*, key: str, now: dt.datetime) -> AbstractBaseUser | None:
     """The active user whose live (unrevoked, unexpired) token `key` is, else None."""
-    if connection.vendor != "postgresql":
-        # Embedded defaults: SQLite's raw values need the ORM's converters (datetimes).
-        token = (
-            ApiToken.objects.select_related("owner")
-            .filter(digest=token_digest(key), revoked_at=None)
-            .filter(Q(expires_at=None) | Q(expires_at__gt=now))
-            .first()
-        )
-        return token.owner if token is not None and token.owner.is_active else None
-    user, sql, fields, converters = _owner_query()
-    with connection.cursor() as cursor:
-        cursor.execute(sql, [token_digest(key), now])
-        row = cursor.fetchone()
-    if row is None:
-        return None
-    values = list(row)
-    for index, field_converters in converters:
-        for convert in field_converters:
-            values[index] = convert(values[index], None, connection)
-    owner = user.from_db(connection.alias, fields, values)
-    return owner if owner.is_active else None
+    owner = token_owner(digest=token_digest(key), now=now)
+    return owner if owner is not None and owner.is_active else None
 
 
 class TokenAuthentication(authentication.TokenAuthentication):

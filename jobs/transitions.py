@@ -9,15 +9,17 @@ duplicate deliveries) are written here too, each by one conditional UPDATE.
 from __future__ import annotations
 
 import datetime as dt
-import json
 import uuid
 from collections.abc import Iterable
 
-from django.db import connection, transaction
+from django.db import transaction
 from django.db.models import DateTimeField, Exists, F, Q, Value
 from django.db.models.functions import Coalesce, Now
 
-from .clock import db_now
+import storage.attempts
+import storage.jobs
+import storage.runs
+
 from .models import (
     ActiveRun,
     Attempt,
@@ -36,9 +38,9 @@ JOB_TRANSITIONS: dict[str, frozenset[str]] = {
     JobState.PAUSED: frozenset({JobState.ACTIVE}),
     JobState.ACTIVE: frozenset({JobState.PAUSED}),
     JobState.CANCELLED: frozenset({JobState.ACTIVE, JobState.PAUSED}),
-    # A job whose schedule is over, once none of its runs is active: on PostgreSQL in the
-    # statement that ends its last run (trigger run_ended_completes_job, jobs/0017, the
-    # same conditional update), else by the completer (dispatch.completer).
+    # A job whose schedule is over, once none of its runs is active: by the rule of
+    # storage.completion, in the statement that ends its last run (trigger
+    # run_ended_completes_job), else by the completer's safety net (dispatch.completer).
     JobState.COMPLETED: frozenset({JobState.ACTIVE}),
 }
 # Job states in which its spec may change and operators may act on it.
@@ -74,12 +76,6 @@ def job_to_cancelled(*, job_id, now: dt.datetime) -> bool:
     return bool(_move_jobs([job_id], JobState.CANCELLED, next_run_at=None, updated_at=now))
 
 
-def jobs_to_completed(*, job_ids: list, now: dt.datetime) -> int:
-    """active -> completed, for jobs whose schedule is over (the caller checked that none
-    of their runs is active, under the jobs' row locks)."""
-    return _move_jobs(job_ids, JobState.COMPLETED, updated_at=now)
-
-
 def job_replace_spec(*, job_id, expected_version: int, fields: dict) -> bool:
     """A live job's new spec and version, by compare-and-set on the version it was based on:
     of two concurrent edits of one version, one wins."""
@@ -92,21 +88,13 @@ def job_replace_spec(*, job_id, expected_version: int, fields: dict) -> bool:
 
 def jobs_advance(*, jobs: list[Job]) -> None:
     """Store the advanced next_run_at of jobs whose due occurrences were just materialized,
-    in one UPDATE (PostgreSQL: joined to the new values unnested from two arrays); the
-    caller holds their row locks (FOR UPDATE), so no other writer can interleave."""
+    in one UPDATE (`storage.jobs.jobs_advance`); the caller holds their row locks (FOR
+    UPDATE), so no other writer can interleave."""
     if not jobs:
         return
-    if connection.vendor != "postgresql":
-        Job.objects.bulk_update(jobs, ["next_run_at"])
-        return
-    with connection.cursor() as cursor:
-        cursor.execute(
-            f"UPDATE {connection.ops.quote_name(Job._meta.db_table)} AS job "
-            "SET next_run_at = advanced.next_run_at "
-            "FROM unnest(%s::uuid[], %s::timestamptz[]) AS advanced (id, next_run_at) "
-            "WHERE job.id = advanced.id",
-            [[job.id for job in jobs], [job.next_run_at for job in jobs]],
-        )
+    storage.jobs.jobs_advance(
+        job_ids=[job.id for job in jobs], next_run_ats=[job.next_run_at for job in jobs]
+    )
 
 
 def job_mark_deleted(*, job_id, now: dt.datetime) -> bool:
@@ -284,151 +272,49 @@ def run_claim(
     `task_id` is the delivering Celery task's id, kept on the attempt.
 
     The attempt comes with `attempt.run` (and `run.job_version.spec`) as the claim read
-    them, so a worker needs nothing more before it runs the handler. On PostgreSQL the
-    whole claim is one statement: the compare-and-set that issues the token, the read of
-    the spec and the attempt's insert, atomic without a transaction block of its own.
+    them, so a worker needs nothing more before it runs the handler. The whole claim is one
+    statement (`storage.runs.run_claim`): the compare-and-set that issues the token, the
+    read of the spec and the attempt's insert, atomic without a transaction block of its own.
     """
-    params = {
-        "run_id": Run._meta.pk.get_db_prep_value(run_id, connection),
-        "worker": worker[:200],
-        "claim_id": claim_id,
-        "now": now,
-        "lease": lease_seconds,
-        "timeout": timeout_seconds,
-        "published_at": published_at,
-        "task_id": task_id[:64],
-        "running": RunState.RUNNING,
-        "attempt_running": AttemptState.RUNNING,
-        "from_states": sorted(RUN_TRANSITIONS[RunState.RUNNING]),
-    }
-    claim = _claim_postgresql if connection.vendor == "postgresql" else _claim_portable
-    row = claim(params)
-    if row is None:
+    claimed = storage.runs.run_claim(
+        run_id=run_id,
+        worker=worker[:200],
+        claim_id=claim_id,
+        now=now,
+        lease_seconds=lease_seconds,
+        timeout_seconds=timeout_seconds,
+        published_at=published_at,
+        task_id=task_id[:64],
+    )
+    if claimed is None:
         return None
-    return _claimed_attempt(row, worker=worker[:200], claim_id=claim_id, task_id=params["task_id"])
+    return _claimed_attempt(claimed, worker=worker[:200], claim_id=claim_id, task_id=task_id[:64])
 
 
-def _claimed_attempt(row: dict, *, worker: str, claim_id, task_id: str, reserved=False) -> Attempt:
+def _claimed_attempt(
+    row: storage.runs.ClaimedRun, *, worker: str, claim_id, task_id: str, reserved=False
+) -> Attempt:
     """The attempt a claim (or a reservation) made, with its run and spec, as the claim's
     statement returned them: the worker needs nothing more before it runs the handler."""
-    # Django has psycopg hand jsonb over as text.
-    spec = json.loads(row["spec"]) if isinstance(row["spec"], str) else row["spec"]
-    version = JobVersion(id=row["job_version_id"], job_id=row["job_id"], spec=spec)
+    version = JobVersion(id=row.job_version_id, job_id=row.job_id, spec=row.spec)
     run = Run(
-        id=row["id"], job_id=row["job_id"], job_version=version, kind=row["kind"],
-        state=RunState.RUNNING, scheduled_for=row["scheduled_for"],
-        idempotency_key=row["idempotency_key"], fencing_token=row["fencing_token"],
-        attempt_count=row["attempt_count"], retry_base=row["retry_base"],
+        id=row.id, job_id=row.job_id, job_version=version, kind=row.kind,
+        state=RunState.RUNNING, scheduled_for=row.scheduled_for,
+        idempotency_key=row.idempotency_key, fencing_token=row.fencing_token,
+        attempt_count=row.attempt_count, retry_base=row.retry_base,
     )  # fmt: skip
     run._state.adding = False
     attempt = Attempt(
-        id=row["attempt_id"], run=run, number=row["attempt_count"],
-        fencing_token=row["fencing_token"], state=AttemptState.RUNNING, worker=worker,
-        claim_id=claim_id, task_id=task_id, lease_expires_at=row["lease_expires_at"],
-        deadline_at=row["deadline_at"], heartbeat_at=row["now"],
-        started_at=None if reserved else row["now"],
+        id=row.attempt_id, run=run, number=row.attempt_count,
+        fencing_token=row.fencing_token, state=AttemptState.RUNNING, worker=worker,
+        claim_id=claim_id, task_id=task_id, lease_expires_at=row.lease_expires_at,
+        deadline_at=row.deadline_at, heartbeat_at=row.now,
+        started_at=None if reserved else row.now,
     )  # fmt: skip
     attempt._state.adding = False
     if reserved:
-        attempt.reserved_at = row["now"]  # the database's clock at the reservation
+        attempt.reserved_at = row.now  # the database's clock at the reservation
     return attempt
-
-
-_CLAIMED_COLUMNS = (
-    "id, job_id, job_version_id, kind, scheduled_for, idempotency_key, fencing_token,"
-    " attempt_count, retry_base"
-)
-# What a claim's (or a reservation's) run update returns of the run, aliased `r`.
-_CLAIMED_RETURNING = ", ".join(f"r.{column.strip()}" for column in _CLAIMED_COLUMNS.split(","))
-# The columns a claim's (or a reservation's) attempt insert writes.
-_ATTEMPT_INSERT_COLUMNS = (
-    "run_id, number, fencing_token, state, worker, claim_id, lease_expires_at, deadline_at,"
-    " heartbeat_at, started_at, error, task_id"
-)
-
-
-def _claim_postgresql(params: dict) -> dict | None:
-    run, version, attempt = (
-        Run._meta.db_table, JobVersion._meta.db_table, Attempt._meta.db_table
-    )  # fmt: skip
-    sql = f"""
-        WITH clock AS (SELECT COALESCE(%(now)s::timestamptz, clock_timestamp()) AS now),
-        claimed AS (
-            UPDATE {run} AS r
-               SET state = %(running)s, fencing_token = r.fencing_token + 1,
-                   attempt_count = r.attempt_count + 1, updated_at = clock.now,
-                   started_at = COALESCE(r.started_at, clock.now), next_attempt_at = NULL,
-                   published_at = COALESCE(r.published_at, %(published_at)s::timestamptz)
-              FROM clock
-             WHERE r.id = %(run_id)s AND r.state = ANY(%(from_states)s)
-         RETURNING {_CLAIMED_RETURNING}, clock.now
-        ),
-        timed AS (
-            SELECT claimed.*, v.spec,
-                   claimed.now + make_interval(secs => COALESCE(
-                       %(lease)s::float8, (v.spec->>'heartbeat_timeout_seconds')::float8
-                   )) AS lease_expires_at,
-                   claimed.now + make_interval(secs => COALESCE(
-                       %(timeout)s::float8, (v.spec->>'timeout_seconds')::float8
-                   )) AS deadline_at
-              FROM claimed JOIN {version} AS v ON v.id = claimed.job_version_id
-        ),
-        attempt AS (
-            INSERT INTO {attempt} ({_ATTEMPT_INSERT_COLUMNS})
-            SELECT id, attempt_count, fencing_token, %(attempt_running)s, %(worker)s,
-                   %(claim_id)s, lease_expires_at, deadline_at, now, now, '', %(task_id)s
-              FROM timed
-         RETURNING id
-        )
-        SELECT timed.*, attempt.id AS attempt_id FROM timed CROSS JOIN attempt
-    """
-    with connection.cursor() as cursor:
-        cursor.execute(sql, params)
-        row = cursor.fetchone()
-        if row is None:
-            return None
-        return dict(zip([column.name for column in cursor.description], row, strict=True))
-
-
-def _claim_portable(params: dict) -> dict | None:
-    """The same claim in three statements in one transaction (SQLite, embedded defaults)."""
-    now = params["now"] or db_now()
-    with transaction.atomic():
-        with connection.cursor() as cursor:
-            states = ", ".join(["%s"] * len(params["from_states"]))
-            cursor.execute(
-                f"""UPDATE {Run._meta.db_table}
-                       SET state = %s, fencing_token = fencing_token + 1,
-                           attempt_count = attempt_count + 1, updated_at = %s,
-                           started_at = COALESCE(started_at, %s), next_attempt_at = NULL,
-                           published_at = COALESCE(published_at, %s)
-                     WHERE id = %s AND state IN ({states})
-                 RETURNING {_CLAIMED_COLUMNS}""",
-                [params["running"], now, now, params["published_at"], params["run_id"],
-                 *params["from_states"]],
-            )  # fmt: skip
-            values = cursor.fetchone()
-            if values is None:
-                return None
-            names = [column.strip() for column in _CLAIMED_COLUMNS.split(",")]
-            row = dict(zip(names, values, strict=True))
-        row["spec"] = JobVersion.objects.values_list("spec", flat=True).get(
-            id=row["job_version_id"]
-        )
-        lease = params["lease"] or row["spec"]["heartbeat_timeout_seconds"]
-        timeout = params["timeout"] or row["spec"].get("timeout_seconds")
-        attempt = Attempt.objects.create(
-            run_id=row["id"], number=row["attempt_count"], fencing_token=row["fencing_token"],
-            state=AttemptState.RUNNING, worker=params["worker"], claim_id=params["claim_id"],
-            task_id=params["task_id"], lease_expires_at=now + dt.timedelta(seconds=lease),
-            deadline_at=now + dt.timedelta(seconds=timeout) if timeout else None,
-            heartbeat_at=now, started_at=now,
-        )  # fmt: skip
-        row.update(
-            now=now, attempt_id=attempt.id, lease_expires_at=attempt.lease_expires_at,
-            deadline_at=attempt.deadline_at,
-        )  # fmt: skip
-        return row
 
 
 def runs_reserve(
@@ -451,77 +337,12 @@ def runs_reserve(
     Only first attempts of `at_least_once` runs are reserved: a retry, a replay or an
     `at_most_once` run is claimed when its turn comes (`run_claim`), so that an attempt
     that may have started is always known to have. Returns the attempts made, in the
-    order of their ids (the order the worker runs them in), each with its run and spec;
-    none on other databases than PostgreSQL."""
-    if not run_ids or connection.vendor != "postgresql":
-        return []
-    run, version, attempt = Run._meta.db_table, JobVersion._meta.db_table, Attempt._meta.db_table
-    sql = f"""
-        WITH clock AS (SELECT clock_timestamp() AS now),
-        pack AS (
-            SELECT * FROM unnest(%(run_ids)s::uuid[]) WITH ORDINALITY AS p(run_id, position)
-        ),
-        locked AS (  -- in the order of their ids, as every multi-run update locks them
-            SELECT r.id FROM {run} AS r JOIN pack ON r.id = pack.run_id
-             WHERE r.state = ANY(%(from_states)s) AND r.attempt_count = 0
-             ORDER BY r.id FOR UPDATE OF r
-        ),
-        claimed AS (
-            UPDATE {run} AS r
-               SET state = %(running)s, fencing_token = r.fencing_token + 1,
-                   attempt_count = r.attempt_count + 1, updated_at = clock.now,
-                   next_attempt_at = NULL,
-                   published_at = COALESCE(r.published_at, %(published_at)s::timestamptz)
-              FROM clock, pack, {version} AS v
-             WHERE r.id = pack.run_id AND r.id IN (SELECT id FROM locked)
-               AND r.state = ANY(%(from_states)s) AND r.attempt_count = 0
-               AND v.id = r.job_version_id
-               AND COALESCE(v.spec->>'delivery', '') <> 'at_most_once'
-         RETURNING {_CLAIMED_RETURNING},
-                   clock.now, pack.position, v.spec,
-                   clock.now + make_interval(
-                       secs => (v.spec->>'heartbeat_timeout_seconds')::float8
-                   ) AS lease_expires_at,
-                   (v.spec->>'timeout_seconds')::float8 AS timeout
-        ),
-        bounded AS (
-            -- The latest a reserved run can end: after every run before it in the pack
-            -- ran to its own limit and grace, and it to its own limit; none when one of
-            -- them has no limit.
-            SELECT claimed.*, CASE WHEN bool_and(timeout IS NOT NULL) OVER upto
-                   THEN now + make_interval(
-                       secs => sum(timeout + %(grace)s) OVER upto - %(grace)s
-                   ) END AS deadline_at
-              FROM claimed
-            WINDOW upto AS (ORDER BY position ROWS UNBOUNDED PRECEDING)
-        ),
-        attempt AS (
-            INSERT INTO {attempt} ({_ATTEMPT_INSERT_COLUMNS})
-            SELECT id, attempt_count, fencing_token, %(attempt_running)s, %(worker)s,
-                   %(claim_id)s, lease_expires_at, deadline_at, now, NULL, '', %(task_id)s
-              FROM bounded ORDER BY position
-         RETURNING id, run_id
-        )
-        SELECT bounded.*, attempt.id AS attempt_id
-          FROM bounded JOIN attempt ON attempt.run_id = bounded.id ORDER BY attempt.id
-    """
-    params = {
-        "run_ids": [Run._meta.pk.get_db_prep_value(run_id, connection) for run_id in run_ids],
-        "worker": worker[:200],
-        "claim_id": claim_id,
-        "published_at": published_at,
-        "task_id": task_id[:64],
-        "running": RunState.RUNNING,
-        "attempt_running": AttemptState.RUNNING,
-        "from_states": sorted(RUN_TRANSITIONS[RunState.RUNNING]),
-        "grace": float(grace_seconds),
-    }
-    with connection.cursor() as cursor:
-        cursor.execute(sql, params)
-        names = [column.name for column in cursor.description]
-        rows = [dict(zip(names, values, strict=True)) for values in cursor.fetchall()]
-    return [_claimed_attempt(row, worker=params["worker"], claim_id=claim_id,
-                             task_id=params["task_id"], reserved=True) for row in rows]  # fmt: skip
+    order of their ids (the order the worker runs them in), each with its run and spec."""
+    rows = storage.runs.runs_reserve(run_ids=run_ids, worker=worker[:200], claim_id=claim_id,
+                                     published_at=published_at, task_id=task_id[:64],
+                                     grace_seconds=grace_seconds)  # fmt: skip
+    return [_claimed_attempt(row, worker=worker[:200], claim_id=claim_id, task_id=task_id[:64],
+                             reserved=True) for row in rows]  # fmt: skip
 
 
 def attempts_still_running(*, attempt_ids: list[int]) -> set[int]:
@@ -536,7 +357,7 @@ def attempts_still_running(*, attempt_ids: list[int]) -> set[int]:
     )
 
 
-# In the error of every released attempt (the metrics' trigger keys on it, jobs/0013).
+# Ends the error of every released attempt, for people (`Attempt.released` marks it).
 RELEASED_ERROR = "not started"
 
 
@@ -554,6 +375,7 @@ def attempt_release(
         run_to=RunState.RETRY_WAIT,
         now=now,
         error=f"{error}; {RELEASED_ERROR}",
+        released=True,
         only_if=Q(started_at__isnull=True) & (only_if or Q()),
         next_attempt_at=now,
         retry_base=F("retry_base") + 1,
@@ -574,37 +396,9 @@ def attempts_renew_leases(
     """Extend the leases of running attempts that still hold the current token, in one
     statement: `leases` holds (attempt id, fencing token, lease seconds). Returns the ids
     renewed; an attempt missing from it lost its lease or token. `now` defaults to the
-    database's clock."""
-    # Conditioned on the attempt row alone: every path that moves a run out of `running`
-    # ends its running attempt in the same transaction, and a condition through a join is
-    # not re-checked by PostgreSQL after waiting on the row (READ COMMITTED), so it could
-    # renew an attempt the reaper ended meanwhile.
-    if not leases:
-        return set()
-    if connection.vendor != "postgresql":
-        at = now or db_now()
-        return {
-            attempt_id
-            for attempt_id, token, seconds in leases
-            if Attempt.objects.filter(
-                id=attempt_id, state=AttemptState.RUNNING, fencing_token=token
-            ).update(heartbeat_at=at, lease_expires_at=at + dt.timedelta(seconds=seconds))
-        }
-    ids, tokens, seconds = (list(column) for column in zip(*leases, strict=True))
-    with connection.cursor() as cursor:
-        cursor.execute(
-            f"""
-            WITH clock AS (SELECT COALESCE(%s::timestamptz, clock_timestamp()) AS now)
-            UPDATE {Attempt._meta.db_table} AS a
-               SET heartbeat_at = clock.now,
-                   lease_expires_at = clock.now + make_interval(secs => l.seconds)
-              FROM clock, unnest(%s::bigint[], %s::bigint[], %s::float8[]) AS l(id, token, seconds)
-             WHERE a.id = l.id AND a.state = %s AND a.fencing_token = l.token
-         RETURNING a.id
-            """,
-            [now, ids, tokens, seconds, AttemptState.RUNNING],
-        )
-        return {row[0] for row in cursor.fetchall()}
+    database's clock; the condition is on the attempt row alone
+    (`storage.attempts.attempts_renew_leases` says why)."""
+    return storage.attempts.attempts_renew_leases(leases=leases, now=now)
 
 
 def attempt_renew_lease(*, attempt: Attempt, now: dt.datetime, lease_seconds: float) -> bool:
@@ -633,6 +427,7 @@ def _finish(
     now,
     error: str = "",
     only_if: Q | None = None,
+    released: bool = False,
     **run_fields,
 ) -> bool:
     """The attempt leaves running and its run moves to `run_to`, both or neither, and only
@@ -646,6 +441,8 @@ def _finish(
     )
     started = _reserved_start(attempt)
     attempt_fields = {"state": attempt_to, "finished_at": now, "error": error}
+    if released:
+        attempt_fields["released"] = True
     if started is not None:  # a reserved attempt's start, written with its outcome
         value = Value(started, output_field=DateTimeField())
         attempt_fields["started_at"] = Coalesce(F("started_at"), value)
@@ -689,66 +486,28 @@ def attempt_succeed(*, attempt: Attempt, now: dt.datetime | None = None, result=
 
 
 def attempts_succeed(*, outcomes: list[tuple[Attempt, object]]) -> set[int]:
-    """`attempt_succeed` for many attempts at once, each with its result: on PostgreSQL
-    one statement updates the attempts and their runs together, each only while it holds
-    its run's current token. The ids of the attempts that won; call inside a transaction.
-    """
-    if not outcomes:
-        return set()
-    if connection.vendor != "postgresql":
-        return {a.id for a, result in outcomes if attempt_succeed(attempt=a, result=result)}
-    attempt_table, run_table = Attempt._meta.db_table, Run._meta.db_table
-    with connection.cursor() as cursor:
-        cursor.execute(
-            f"""
-            WITH outcome AS (
-                SELECT * FROM unnest(%(ids)s::bigint[], %(runs)s::uuid[], %(tokens)s::bigint[],
-                                     %(results)s::jsonb[], %(started)s::timestamptz[])
-                           AS o(attempt_id, run_id, token, result, started)
-            ),
-            finished AS (
-                UPDATE {attempt_table} AS a
-                   SET state = %(attempt_succeeded)s, error = '',
-                       finished_at = STATEMENT_TIMESTAMP(),
-                       started_at = COALESCE(a.started_at, o.started)
-                  FROM outcome AS o
-                 WHERE a.id = o.attempt_id AND a.state = %(attempt_running)s
-                   AND a.fencing_token = o.token
-                   AND EXISTS (SELECT 1 FROM {run_table} AS r WHERE r.id = o.run_id
-                               AND r.state = %(running)s AND r.fencing_token = o.token)
-             RETURNING a.id, a.run_id, o.token, o.result, a.started_at
-            ),
-            moved AS (
-                UPDATE {run_table} AS r
-                   SET state = %(succeeded)s, finished_at = STATEMENT_TIMESTAMP(),
-                       updated_at = STATEMENT_TIMESTAMP(), result = f.result, failure_reason = '',
-                       started_at = COALESCE(r.started_at, f.started_at)
-                  FROM finished AS f
-                 WHERE r.id = f.run_id AND r.state = %(running)s AND r.fencing_token = f.token
-             RETURNING r.id
-            )
-            SELECT (SELECT count(*) FROM moved), array_agg(id) FROM finished
-            """,
-            {
-                "ids": [a.id for a, _ in outcomes],
-                "runs": [a.run_id for a, _ in outcomes],
-                "tokens": [a.fencing_token for a, _ in outcomes],
-                # None stays SQL NULL, as the ORM stores it.
-                "results": [None if r is None else json.dumps(r) for _, r in outcomes],
+    """`attempt_succeed` for many attempts at once, each with its result: one statement
+    (`storage.attempts.attempts_succeed`) updates the attempts and their runs together,
+    each only while it holds its run's current token. The ids of the attempts that won;
+    call inside a transaction."""
+    succeeded = storage.attempts.attempts_succeed(
+        successes=[
+            storage.attempts.Success(
+                attempt_id=attempt.id,
+                run_id=attempt.run_id,
+                token=attempt.fencing_token,
+                result=result,
                 # A reserved attempt's start, seen by its worker (None: a claimed one's).
-                "started": [_reserved_start(a) for a, _ in outcomes],
-                "succeeded": RunState.SUCCEEDED,
-                "running": RunState.RUNNING,
-                "attempt_succeeded": AttemptState.SUCCEEDED,
-                "attempt_running": AttemptState.RUNNING,
-            },
-        )
-        moved, won = cursor.fetchone()
-    won = set(won or ())
-    if moved != len(won):
+                started_at=_reserved_start(attempt),
+            )
+            for attempt, result in outcomes
+        ]
+    )
+    if succeeded.runs_moved != len(succeeded.won):
         # Only a hand edit of a run between the two updates gets here: undo them all.
-        raise RuntimeError(f"{len(won) - moved} runs changed under their attempts' outcomes")
-    return won
+        missing = len(succeeded.won) - succeeded.runs_moved
+        raise RuntimeError(f"{missing} runs changed under their attempts' outcomes")
+    return succeeded.won
 
 
 def attempt_fail(

@@ -1,6 +1,5 @@
 """The Celery app. Workers: `celery -A scheduler_project worker`."""
 
-import logging
 import os
 
 from celery import Celery
@@ -31,18 +30,20 @@ def consume_lanes(sender, instance, **kwargs) -> None:
 @worker_ready.connect
 def declare_allowed_queues(sender, **kwargs) -> None:
     """Every queue of SCHEDULER_QUEUES and their lanes, declared when a worker starts (it
-    consumes those of -Q); a queue the broker refuses is logged, the worker goes on."""
+    consumes those of -Q) as a relay declares them; a queue the broker refuses is logged,
+    the worker goes on."""
     from django.conf import settings
 
+    from dispatch.broker import ConfirmingPublisher, queues_declare
     from jobs.lanes import lane_queues
 
-    with sender.app.connection_for_write() as connection:
-        for name in lane_queues(settings.SCHEDULER_QUEUES):
-            try:
-                sender.app.amqp.queues[name](connection.default_channel).declare()
-            except Exception as exc:  # noqa: BLE001 - reported; the consumer reports its own
-                logging.getLogger("dispatch").error("queue %r not declared: %s", name, exc)
-                connection.close()
+    broker = ConfirmingPublisher(
+        settings.CELERY_BROKER_URL, settings.CELERY_BROKER_TRANSPORT_OPTIONS
+    )
+    try:
+        queues_declare(broker, lane_queues(settings.SCHEDULER_QUEUES))
+    finally:
+        broker.close()
 
 
 @worker_ready.connect

@@ -5,7 +5,8 @@ from django.urls import include, path, re_path
 from django.views.generic import RedirectView
 from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
 
-from jobs import ops, throttling
+from jobs import throttling
+from jobs.ops import views as ops
 
 urlpatterns = [
     # The outbox, effects and counters moved from the dispatch app to jobs: old links work.
@@ -15,7 +16,7 @@ urlpatterns = [
     ),
     path("admin/login/", throttling.admin_login),  # the admin's own, its POSTs throttled
     path("admin/", admin.site.urls),
-    path("api/v1/", include("jobs.urls")),
+    path("api/v1/", include("jobs.api.urls")),
     path("api/v1/", include("logs_app.urls")),
     path("dashboard/", include("dispatch.urls")),
     path("api/schema/", SpectacularAPIView.as_view(), name="schema"),

@@ -1,8 +1,8 @@
 """The materializer's statements: the claim of due jobs, and the write that makes a batch
 of their due occurrences runs, in one statement each.
 
-Tables: `jobs_job`, `jobs_jobversion`, `jobs_run` and `dispatch_outboxmessage` (the
-outbox).
+Tables: `jobs_job`, `jobs_jobversion`, `jobs_run` and the outbox (its rows written by
+storage.outbox.outbox_insert_select's head).
 """
 
 from __future__ import annotations
@@ -12,17 +12,16 @@ import json
 import uuid
 from typing import NamedTuple
 
+from .outbox import outbox_insert_select
 from .partitions import held_partitions_sql, in_held_partitions_sql, job_partition_sql
 from .sql import fetch_all, fetch_one
 
 RUN = "jobs_run"
-OUTBOX = "dispatch_outboxmessage"
 JOB = "jobs_job"
 JOB_VERSION = "jobs_jobversion"
 ACTIVE = "active"  # jobs.models.JobState.ACTIVE
 SCHEDULED = "scheduled"  # jobs.models.RunKind.SCHEDULED
 QUEUED, SKIPPED = "queued", "skipped"  # jobs.models.RunState
-OUTBOX_PENDING = "pending"  # jobs.models.OutboxState.PENDING
 
 
 class DueJob(NamedTuple):
@@ -153,11 +152,8 @@ def runs_write_scheduled(
             ON CONFLICT (job_id, scheduled_for) WHERE kind = %(kind)s DO NOTHING
             RETURNING id, state
         ), outboxed AS (
-            INSERT INTO {OUTBOX}
-                   (run_id, owner_id, message_id, task_name, queue, priority,
-                    timeout_seconds, state, created_at, publish_tries, last_error)
-            SELECT planned.id, owner_id, gen_random_uuid(), task_name, queue, priority,
-                   timeout_seconds, %(pending)s, %(now)s, 0, ''
+            {outbox_insert_select(source="planned", run_id="planned.id",
+                                  owner_id="planned.owner_id")}
               FROM created JOIN planned USING (id)
              WHERE created.state = %(queued)s
              ORDER BY planned.position  -- the relay publishes in id order: oldest first
@@ -177,7 +173,7 @@ def runs_write_scheduled(
         """,
         {
             "rows": json.dumps(rows), "kind": SCHEDULED, "now": now,
-            "pending": OUTBOX_PENDING, "queued": QUEUED, "skipped": SKIPPED,
+            "queued": QUEUED, "skipped": SKIPPED,
             "job_ids": [job.job_id for job in jobs],
             "next_run_at": [job.next_run_at for job in jobs],
         },

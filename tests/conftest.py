@@ -54,9 +54,9 @@ def _packed_successes_written_by_the_worker(request, monkeypatch):
         marker is not None and marker.kwargs.get("transaction")
     )
     if not transactional:
-        import dispatch.runtime
+        import dispatch.worker.recording
 
-        monkeypatch.setattr(dispatch.runtime, "SUCCESS_BATCH_SECONDS", 3600.0)
+        monkeypatch.setattr(dispatch.worker.recording, "SUCCESS_BATCH_SECONDS", 3600.0)
 
 
 @pytest.fixture

@@ -69,7 +69,7 @@ def job_body(**overrides) -> dict:
 
 def job_spec(**overrides) -> dict:
     """A valid job body, validated as the API would, with `overrides` applied first."""
-    from jobs.validation import JobSpecSerializer
+    from jobs.api.validation import JobSpecSerializer
 
     serializer = JobSpecSerializer(data=job_body(**{"name": "test job", **overrides}))
     serializer.is_valid(raise_exception=True)
@@ -156,8 +156,8 @@ def scheduled_runs(job) -> list[tuple[dt.datetime, str]]:
 
 def job_patch(job, user, now, **fields):
     """PATCH a job through the services, validated as the API would."""
+    from jobs.api.validation import job_patched_spec
     from jobs.services import job_update
-    from jobs.validation import job_patched_spec
 
     job.refresh_from_db()
     spec = job_patched_spec(spec=job.spec, patch=fields)

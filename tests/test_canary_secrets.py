@@ -10,7 +10,7 @@ from django.db import connection
 from django.urls import reverse
 from django.utils import timezone
 
-from dispatch.runtime import run_execute_delivery
+from dispatch.worker import run_execute_delivery
 from jobs.models import ApiToken, Attempt, Run
 from jobs.registry import _handlers
 from jobs.tokens import token_create

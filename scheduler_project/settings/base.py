@@ -201,9 +201,9 @@ REST_FRAMEWORK = {
     ],
     "DEFAULT_PERMISSION_CLASSES": ["rest_framework.permissions.IsAuthenticated"],
     "DEFAULT_RENDERER_CLASSES": ["rest_framework.renderers.JSONRenderer"],
-    "DEFAULT_PARSER_CLASSES": ["jobs.parsers.JSONParser"],
+    "DEFAULT_PARSER_CLASSES": ["jobs.api.parsers.JSONParser"],
     "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
-    "EXCEPTION_HANDLER": "jobs.api.api_exception_handler",
+    "EXCEPTION_HANDLER": "jobs.api.base.api_exception_handler",
     # Counted in the database every web process shares (jobs.throttling), per user.
     "DEFAULT_THROTTLE_CLASSES": ["jobs.throttling.UserThrottle", "jobs.throttling.ScopedThrottle"],
     "DEFAULT_THROTTLE_RATES": {

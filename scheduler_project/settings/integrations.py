@@ -61,7 +61,7 @@ CELERY_BROKER_CONNECTION_MAX_RETRIES = None
 # A pool process keeps its database connection across tasks: Celery's Django fix-up closes
 # it before and after every task unless this is set (a new connection per run cost more
 # than the run). A connection broken meanwhile (PostgreSQL restarted) fails the next
-# claim, which closes it and retries (dispatch.runtime).
+# claim, which closes it and retries (dispatch.worker).
 CELERY_DB_REUSE_MAX = 1_000_000
 CELERY_WORKER_HIJACK_ROOT_LOGGER = False
 CELERY_WORKER_SEND_TASK_EVENTS = False
@@ -93,7 +93,7 @@ SENTRY_DSN = env.SENTRY_DSN
 def init_sentry() -> None:
     """Error reporting, on when SENTRY_DSN is set: unhandled exceptions of web requests
     (Django) and of Celery tasks, ERROR log records, and handlers' failures, which the
-    worker reports itself (dispatch.runtime) since they end as the attempt's outcome
+    worker reports itself (dispatch.worker) since they end as the attempt's outcome
     instead of escaping the task. No local variables and no personal data are sent: a
     job's args may hold secrets (docs/operations.md, "Error reporting")."""
     if not SENTRY_DSN:

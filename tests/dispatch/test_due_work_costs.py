@@ -24,9 +24,9 @@ from dispatch.reconciler import (
     reconcile_run_once,
 )
 from dispatch.scheduler import SchedulerConfig, scheduler_run_once
-from jobs.metrics import oldest_pending_outbox
 from jobs.models import Job, JobVersion, Run, RunState
-from jobs.services import LATEST_FINISHED
+from jobs.selectors import oldest_pending_outbox
+from storage.jobs import LATEST_FINISHED
 from tests.factories import make_job, publish
 
 pytestmark = [

@@ -104,8 +104,8 @@ def test_a_worker_keeps_its_database_connections_across_runs(stack, user):
     fix-up would close it around every task without CELERY_DB_REUSE_MAX)."""
     from django.db import connection
 
+    from jobs.api.validation import JobSpecSerializer
     from jobs.services import job_create
-    from jobs.validation import JobSpecSerializer
 
     def sessions() -> int:
         with connection.cursor() as cursor:
@@ -139,9 +139,9 @@ def test_a_worker_keeps_its_database_connections_across_runs(stack, user):
 def test_packed_runs_each_run_once_with_their_own_attempt(stack, user):
     """45 runs of a task declared pack=20 travel in 3 messages to real workers; each run is
     claimed, run and recorded on its own, with every stage stamped."""
+    from jobs.api.validation import JobSpecSerializer
     from jobs.models import Attempt, AttemptState
     from jobs.services import job_create
-    from jobs.validation import JobSpecSerializer
 
     now = dt.datetime.now(dt.UTC)
     for index in range(45):

@@ -583,7 +583,7 @@ def test_the_failure_that_reaches_pause_after_failures_pauses_the_job_at_once(
     make_job, django_capture_on_commit_callbacks
 ):
     from jobs.models import AttemptState
-    from jobs.services import attempt_record_failure
+    from jobs.outcomes import attempt_record_failure
 
     job = make_job(
         now=T0,

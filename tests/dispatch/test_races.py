@@ -13,8 +13,8 @@ import jobs.transitions as transitions
 from dispatch.errors import StaleAttempt
 from dispatch.reaper import OutageGrace, ReaperConfig, reaper_run_once
 from dispatch.reconciler import ReconcileConfig, ReconcileWindow, reconcile_run_once
-from dispatch.runtime import LEASE_KEEPER, RunContext, run_execute_delivery
 from dispatch.scheduler import SchedulerConfig, scheduler_run_once
+from dispatch.worker import LEASE_KEEPER, RunContext, run_execute_delivery
 from jobs.models import (
     Attempt,
     AttemptState,
@@ -233,11 +233,12 @@ def test_an_expired_attempt_whose_run_moved_on_is_ended_alone(queued_run):
 def test_a_claim_whose_commit_answer_was_lost_is_recognized_on_retry(queued_run, monkeypatch):
     from django.db import OperationalError
 
-    import dispatch.runtime as runtime
+    import dispatch.worker.delivery as delivery
+    import dispatch.worker.outage as outage
     from jobs.models import Counter
 
     run = queued_run()
-    real_claim = runtime.run_claim
+    real_claim = delivery.run_claim
     failures = []
 
     def commits_then_loses_the_answer(**kwargs):
@@ -247,8 +248,8 @@ def test_a_claim_whose_commit_answer_was_lost_is_recognized_on_retry(queued_run,
             raise OperationalError("server closed the connection unexpectedly")
         return attempt
 
-    monkeypatch.setattr(runtime, "run_claim", commits_then_loses_the_answer)
-    monkeypatch.setattr(runtime.time, "sleep", lambda seconds: None)
+    monkeypatch.setattr(delivery, "run_claim", commits_then_loses_the_answer)
+    monkeypatch.setattr(outage.time, "sleep", lambda seconds: None)
     calls = []
     result = run_execute_delivery(
         run_id=str(run.id), handler=lambda ctx: calls.append(ctx.attempt), worker="w",
@@ -266,11 +267,12 @@ def test_a_claim_whose_commit_answer_was_lost_is_recognized_on_retry(queued_run,
 def test_a_completion_whose_commit_answer_was_lost_is_not_counted_stale(queued_run, monkeypatch):
     from django.db import OperationalError
 
-    import dispatch.runtime as runtime
+    import dispatch.worker.outage as outage
+    import dispatch.worker.recording as recording
     from jobs.models import Counter
 
     run = queued_run()
-    real_succeed = runtime.attempts_succeed
+    real_succeed = recording.attempts_record_success
     failures = []
 
     def commits_then_loses_the_answer(**kwargs):
@@ -281,7 +283,7 @@ def test_a_completion_whose_commit_answer_was_lost_is_not_counted_stale(queued_r
         return won
 
     raise_after_commit: list = []
-    real_retries = runtime._with_database_retries
+    real_retries = recording.with_database_retries
 
     def flaky(write):
         def once():
@@ -293,9 +295,9 @@ def test_a_completion_whose_commit_answer_was_lost_is_not_counted_stale(queued_r
 
         return real_retries(once)
 
-    monkeypatch.setattr(runtime, "attempts_succeed", commits_then_loses_the_answer)
-    monkeypatch.setattr(runtime, "_with_database_retries", flaky)
-    monkeypatch.setattr(runtime.time, "sleep", lambda seconds: None)
+    monkeypatch.setattr(recording, "attempts_record_success", commits_then_loses_the_answer)
+    monkeypatch.setattr(recording, "with_database_retries", flaky)
+    monkeypatch.setattr(outage.time, "sleep", lambda seconds: None)
     result = run_execute_delivery(
         run_id=str(run.id), handler=lambda ctx: "done", worker="w", message_id="m"
     )
@@ -337,7 +339,7 @@ def test_a_final_failure_pausing_its_job_never_deadlocks_with_cancel_previous(ma
     from django.db import DatabaseError, connections
 
     from jobs.models import Job
-    from jobs.services import attempt_record_failure
+    from jobs.outcomes import attempt_record_failure
 
     job = make_job(
         now=NOW,

@@ -11,8 +11,8 @@ import pytest
 from django.db import connection, transaction
 
 from dispatch.reaper import ReaperConfig, ReaperResult, reaper_run_once
-from dispatch.runtime import Lease
 from dispatch.scheduler import SchedulerConfig, scheduler_run_once
+from dispatch.worker import Lease
 from jobs.models import (
     Attempt,
     AttemptState,
@@ -23,7 +23,8 @@ from jobs.models import (
     Run,
     RunState,
 )
-from jobs.services import attempt_record_failure, run_replay_request
+from jobs.outcomes import attempt_record_failure
+from jobs.services import run_replay_request
 from jobs.transitions import attempt_renew_lease, attempt_succeed, run_claim
 from tests.factories import CLAIM_LEASE_SECONDS as LEASE
 from tests.factories import PINNED_NOW, claim

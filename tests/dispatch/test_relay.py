@@ -11,15 +11,11 @@ from celery import current_app
 from django.conf import settings
 from kombu import Connection
 
-from dispatch.relay import (
-    ConfirmingPublisher,
-    PendingMessage,
-    RelayConfig,
-    published_at_text,
-    relay_run_once,
-)
+from dispatch.broker import ConfirmingPublisher, published_at_text, queue_depth, queues_declare
+from dispatch.relay import RelayConfig, relay_run_once
 from dispatch.scheduler import SchedulerConfig, scheduler_run_once
 from jobs.models import OutboxMessage, OutboxState, Run
+from storage.outbox import PendingMessage
 from tests.factories import run_snapshot
 from tests.processes import purge_queue, wait_for
 
@@ -271,8 +267,6 @@ def test_a_queue_the_broker_refuses_holds_back_only_its_own_messages(make_job, r
 
 
 def test_the_relay_declares_the_allowed_queues_and_reports_a_refused_one(refused_queue):
-    from dispatch.relay import queues_declare
-
     publisher = ConfirmingPublisher(
         settings.CELERY_BROKER_URL, settings.CELERY_BROKER_TRANSPORT_OPTIONS
     )
@@ -280,6 +274,36 @@ def test_the_relay_declares_the_allowed_queues_and_reports_a_refused_one(refused
         assert queues_declare(publisher, settings.SCHEDULER_QUEUES) == [refused_queue]
     finally:
         publisher.close()
+
+
+def test_a_worker_declares_the_allowed_queues_as_a_relay_does(refused_queue, caplog):
+    """The worker's declaration at start (scheduler_project.celery) is queues_declare."""
+    from scheduler_project.celery import declare_allowed_queues
+
+    with caplog.at_level("ERROR", logger="dispatch.broker"):
+        declare_allowed_queues(sender=None)
+    refusals = [r.getMessage() for r in caplog.records if r.name == "dispatch.broker"]
+    assert len(refusals) == 1
+    assert f"refused to declare queue {refused_queue!r}" in refusals[0]
+
+
+def test_the_depth_of_a_queue_not_declared_is_zero(tmp_path):
+    """On RabbitMQ (whose refusal closes the channel: the publisher's next question opens
+    it again) and on the embedded filesystem broker alike."""
+    missing = f"missing-{uuid.uuid4().hex[:8]}"
+    publisher = ConfirmingPublisher(
+        settings.CELERY_BROKER_URL, settings.CELERY_BROKER_TRANSPORT_OPTIONS
+    )
+    try:
+        assert publisher.queue_depth(missing) == 0
+        assert publisher.queue_depth("jobs") == _queue_depth("jobs")
+    finally:
+        publisher.close()
+    folder = tmp_path / "broker"
+    folder.mkdir()
+    options = {"data_folder_in": str(folder), "data_folder_out": str(folder)}
+    with Connection("filesystem://", transport_options=options) as broker:
+        assert queue_depth(broker.channel(), missing) == 0
 
 
 def _queue_depth(name: str) -> int:

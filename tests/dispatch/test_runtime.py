@@ -14,8 +14,8 @@ from django.db import connection
 
 from dispatch import NonRetryableError, StaleAttempt
 from dispatch.reaper import ReaperConfig, reaper_run_once
-from dispatch.runtime import Lease, RunContext, run_execute_delivery
 from dispatch.scheduler import SchedulerConfig, scheduler_run_once
+from dispatch.worker import Lease, RunContext, run_execute_delivery
 from jobs.clock import db_now
 from jobs.models import (
     Attempt,
@@ -360,19 +360,19 @@ def test_cancel_while_the_handler_runs_stops_it_at_its_next_heartbeat(api, queue
 def test_a_cancel_just_before_the_claim_is_not_counted_as_a_duplicate_delivery(
     queued_run, user, monkeypatch
 ):
-    import dispatch.runtime
+    import dispatch.worker.delivery
     from jobs.services import run_cancel_request
 
     run = queued_run()
     publish(run)
-    real_claim = dispatch.runtime.run_claim
+    real_claim = dispatch.worker.delivery.run_claim
 
     def cancelled_meanwhile(**kwargs):
         # The operator's cancel commits while the worker is between its read and its claim.
         assert run_cancel_request(run=Run.objects.get(id=run.id), actor=user, now=later(1))
         return real_claim(**kwargs)
 
-    monkeypatch.setattr(dispatch.runtime, "run_claim", cancelled_meanwhile)
+    monkeypatch.setattr(dispatch.worker.delivery, "run_claim", cancelled_meanwhile)
 
     assert_worker_refuses_cancelled(run)
 
@@ -547,11 +547,12 @@ def test_a_delivery_whose_claim_failed_is_delivered_again(queued_run, monkeypatc
     claim's retries, the task publishes itself again instead of dropping the run."""
     from django.db import OperationalError
 
-    import dispatch.runtime
+    import dispatch.worker.delivery
+    import dispatch.worker.outage
     from tests.sample_tasks import record
 
     run = queued_run(task="tests.record")
-    real_claim = dispatch.runtime.run_claim
+    real_claim = dispatch.worker.delivery.run_claim
     calls = []
 
     def away_once(**kwargs):
@@ -560,8 +561,8 @@ def test_a_delivery_whose_claim_failed_is_delivered_again(queued_run, monkeypatc
             raise OperationalError("connection refused")
         return real_claim(**kwargs)
 
-    monkeypatch.setattr(dispatch.runtime, "run_claim", away_once)
-    monkeypatch.setattr(dispatch.runtime, "COMPLETION_RETRY_SECONDS", 0.0)
+    monkeypatch.setattr(dispatch.worker.delivery, "run_claim", away_once)
+    monkeypatch.setattr(dispatch.worker.outage, "COMPLETION_RETRY_SECONDS", 0.0)
 
     # Eagerly applied, Celery's retry runs the task again at once, as a worker would on
     # the message the retry publishes.
@@ -611,7 +612,7 @@ def test_a_packed_run_past_its_time_limit_times_out_alone(queued_run):
 def test_a_packs_runs_are_reserved_together_and_each_starts_at_its_turn(queued_run):
     """One statement reserves the pack's first attempts: `running`, leased, no start; each
     records its own start with its outcome."""
-    from dispatch.runtime import run_execute_deliveries
+    from dispatch.worker import run_execute_deliveries
 
     runs = [queued_run(timeout_seconds=60) for _ in range(3)]
     seen = {}
@@ -641,7 +642,7 @@ def test_a_packs_runs_are_reserved_together_and_each_starts_at_its_turn(queued_r
 def test_a_retry_an_at_most_once_run_and_a_duplicate_are_claimed_at_their_turn(queued_run):
     """Only first attempts of at_least_once runs are reserved: the others are claimed when
     their turn comes, so an attempt that may have started is always known to have."""
-    from dispatch.runtime import run_execute_deliveries
+    from dispatch.worker import run_execute_deliveries
 
     fresh = queued_run()
     retry = queued_run()
@@ -666,11 +667,13 @@ def test_a_retry_an_at_most_once_run_and_a_duplicate_are_claimed_at_their_turn(q
 def test_a_pack_whose_reservation_failed_is_delivered_again(queued_run, monkeypatch):
     from django.db import OperationalError
 
-    import dispatch.runtime
+    import dispatch.worker.delivery
+    import dispatch.worker.outage
+    import dispatch.worker.packs
     from tests.sample_tasks import record
 
     runs = [queued_run() for _ in range(3)]
-    real_reserve = dispatch.runtime.runs_reserve
+    real_reserve = dispatch.worker.packs.runs_reserve
     calls = []
 
     def away_once(**kwargs):
@@ -679,8 +682,8 @@ def test_a_pack_whose_reservation_failed_is_delivered_again(queued_run, monkeypa
             raise OperationalError("connection refused")
         return real_reserve(**kwargs)
 
-    monkeypatch.setattr(dispatch.runtime, "runs_reserve", away_once)
-    monkeypatch.setattr(dispatch.runtime, "COMPLETION_RETRY_SECONDS", 0.0)
+    monkeypatch.setattr(dispatch.worker.packs, "runs_reserve", away_once)
+    monkeypatch.setattr(dispatch.worker.outage, "COMPLETION_RETRY_SECONDS", 0.0)
 
     record.apply(kwargs={"run_ids": [str(run.id) for run in runs]})
 
@@ -693,13 +696,14 @@ def test_a_pack_whose_reservation_failed_is_delivered_again(queued_run, monkeypa
 def test_the_unreserved_runs_of_a_pack_not_yet_claimed_are_delivered_again(queued_run, monkeypatch):
     from django.db import OperationalError
 
-    import dispatch.runtime
+    import dispatch.worker.delivery
+    import dispatch.worker.outage
     from tests.sample_tasks import record
 
     runs = [queued_run() for _ in range(3)]
     # Retries: claimed at their turn.
     Run.objects.filter(id__in=[run.id for run in runs]).update(attempt_count=1, fencing_token=1)
-    real_claim = dispatch.runtime.run_claim
+    real_claim = dispatch.worker.delivery.run_claim
     claimed = []
 
     def away_at_the_second(**kwargs):
@@ -708,8 +712,8 @@ def test_the_unreserved_runs_of_a_pack_not_yet_claimed_are_delivered_again(queue
             raise OperationalError("connection refused")
         return real_claim(**kwargs)
 
-    monkeypatch.setattr(dispatch.runtime, "run_claim", away_at_the_second)
-    monkeypatch.setattr(dispatch.runtime, "COMPLETION_RETRY_SECONDS", 0.0)
+    monkeypatch.setattr(dispatch.worker.delivery, "run_claim", away_at_the_second)
+    monkeypatch.setattr(dispatch.worker.outage, "COMPLETION_RETRY_SECONDS", 0.0)
 
     record.apply(kwargs={"run_ids": [str(run.id) for run in runs]})
 
@@ -724,7 +728,7 @@ def test_a_pack_ended_by_its_first_run_releases_the_others_uncharged(queued_run,
     import asyncio
 
     from dispatch.promoter import PromoterConfig, promoter_run_once
-    from dispatch.runtime import run_execute_deliveries, run_execute_delivery
+    from dispatch.worker import run_execute_deliveries, run_execute_delivery
     from jobs.models import AuditEvent
 
     runs = [queued_run(retry={"max_attempts": 1}) for _ in range(3)]
@@ -760,7 +764,8 @@ def test_a_pack_ended_by_its_first_run_releases_the_others_uncharged(queued_run,
 
 
 def test_a_packed_run_cancelled_while_it_waits_its_turn_never_runs(queued_run, user):
-    from dispatch.runtime import RESERVED_CHECK_SECONDS, run_execute_deliveries
+    from dispatch.worker import run_execute_deliveries
+    from dispatch.worker.packs import RESERVED_CHECK_SECONDS
     from jobs.services import run_cancel_request
 
     first, waiting = queued_run(), queued_run()
@@ -787,7 +792,7 @@ def test_a_packed_run_cancelled_while_it_waits_its_turn_never_runs(queued_run, u
 def test_a_packed_success_is_recorded_while_a_later_run_still_runs(queued_run):
     """The lease keeper writes a success that waited SUCCESS_BATCH_SECONDS: a long run late
     in a pack does not hold back the ones before it."""
-    from dispatch.runtime import run_execute_deliveries
+    from dispatch.worker import run_execute_deliveries
 
     quick, slow = queued_run(), queued_run()
     seen = {}
@@ -823,7 +828,7 @@ def test_a_reserved_run_cancelled_just_before_its_turn_is_cancelled_as_a_running
     """Within RESERVED_CHECK_SECONDS of its turn a cancel may not be seen before the start:
     the run is `running` to its canceller, and is stopped as a running run is: its
     heartbeat says so, its completion is refused, the run stays cancelled."""
-    from dispatch.runtime import run_execute_deliveries
+    from dispatch.worker import run_execute_deliveries
     from jobs.services import run_cancel_request
 
     first, waiting = queued_run(), queued_run()
@@ -853,7 +858,7 @@ def test_a_reserved_run_cancelled_just_before_its_turn_is_cancelled_as_a_running
 
 
 def test_a_reserved_runs_failure_records_its_start_with_the_outcome(queued_run):
-    from dispatch.runtime import run_execute_deliveries
+    from dispatch.worker import run_execute_deliveries
 
     first, second = queued_run(retry={"max_attempts": 1}), queued_run()
 
@@ -878,12 +883,12 @@ def test_a_run_claimed_at_its_turn_after_a_failed_success_write_is_delivered_aga
     database refuses that write, the run and the ones after it are delivered again."""
     from django.db import OperationalError
 
-    import dispatch.runtime
-    from dispatch.runtime import run_execute_deliveries
+    import dispatch.worker.recording
+    from dispatch.worker import run_execute_deliveries
 
     fresh, retry = queued_run(), queued_run()
     Run.objects.filter(id=retry.id).update(attempt_count=1, fencing_token=1)
-    real_write = dispatch.runtime.Successes.write
+    real_write = dispatch.worker.recording.Successes.write
     calls = []
 
     def away_before_the_claim(self, *, retry: bool = True):
@@ -892,7 +897,7 @@ def test_a_run_claimed_at_its_turn_after_a_failed_success_write_is_delivered_aga
             raise OperationalError("connection refused")
         return real_write(self, retry=retry)
 
-    monkeypatch.setattr(dispatch.runtime.Successes, "write", away_before_the_claim)
+    monkeypatch.setattr(dispatch.worker.recording.Successes, "write", away_before_the_claim)
 
     summary = run_execute_deliveries(
         run_ids=[str(fresh.id), str(retry.id)], handler=lambda ctx: None, worker="w",

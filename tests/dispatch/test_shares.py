@@ -9,14 +9,16 @@ import pytest
 from django.conf import settings
 from django.db import connection
 
+from dispatch.broker import ConfirmingPublisher
 from dispatch.promoter import PromoterConfig, promoter_run_once
 from dispatch.reconciler import ReconcileConfig, ReconcileWindow, reconcile_run_once
-from dispatch.relay import ConfirmingPublisher, RelayConfig, relay_run_once
+from dispatch.relay import RelayConfig, relay_run_once
 from dispatch.scheduler import SchedulerConfig, scheduler_run_once
-from dispatch.shares import LIMIT_LOCK_SPACE, OwnerTurns, shares
+from dispatch.shares import OwnerTurns, shares
 from jobs.models import ActiveRun, FailureReason, OutboxMessage, OwnerLimit, Run, RunState
 from jobs.services import run_replay_request
 from jobs.transitions import run_give_up
+from storage.shares import LIMIT_LOCK_SPACE
 from tests.dispatch.test_relay import _drain_queue
 from tests.processes import purge_queue
 

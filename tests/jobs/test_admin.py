@@ -81,7 +81,7 @@ def test_an_owner_s_limit_is_at_least_one(client, user, operator):
 
 
 def test_an_owner_s_waiting_runs_are_counted_up_to_a_cap(client, user, operator, monkeypatch):
-    from jobs import admin as jobs_admin
+    from jobs.admin import model_admins as jobs_admin
     from jobs.models import OwnerLimit
     from tests.factories import queued_run
 

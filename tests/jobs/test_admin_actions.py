@@ -1,4 +1,4 @@
-"""The admin's actions (jobs/admin_actions.py): each through the API's service, audited
+"""The admin's actions (jobs/admin/actions.py): each through the API's service, audited
 with the operator, with honest counts and the reason of every refusal, gated by the
 models' permissions."""
 
@@ -180,7 +180,7 @@ def test_each_action_needs_its_permission(client, make_job):
 def test_a_selection_past_the_limit_changes_nothing_and_says_so(
     client, admin_superuser, make_job, monkeypatch
 ):
-    monkeypatch.setattr("jobs.admin_actions.MAX_SELECTED", 2)
+    monkeypatch.setattr("jobs.admin.actions.MAX_SELECTED", 2)
     jobs = [make_job(name=f"j{i}", schedule=HOURLY) for i in range(3)]
     # "Select all 3" across the list's pages.
     _, message = act(client, "job", "pause_jobs", jobs[:1], select_across="1")

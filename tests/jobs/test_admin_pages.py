@@ -1,6 +1,6 @@
 """The admin's job and run pages: creating and editing a job through the API's validation
-(jobs/admin_forms.py), the schedule in words with its next fires, recent runs and history,
-and the run's timeline with its attempts (jobs/admin_pages.py)."""
+(jobs/admin/forms.py), the schedule in words with its next fires, recent runs and history,
+and the run's timeline with its attempts (jobs/admin/pages.py)."""
 
 from __future__ import annotations
 
@@ -11,10 +11,11 @@ import pytest
 from django.contrib.auth import get_user_model
 from django.contrib.auth.models import Permission
 
-from jobs.admin_pages import duration, run_stages, schedule_words
+from jobs.admin.pages import duration, run_stages, schedule_words
 from jobs.clock import db_now
 from jobs.models import AuditEvent, Job, JobVersion
-from jobs.services import attempt_record_failure, job_cancel
+from jobs.outcomes import attempt_record_failure
+from jobs.services import job_cancel
 from tests.factories import PINNED_NOW, claim, job_body, later
 
 pytestmark = pytest.mark.django_db

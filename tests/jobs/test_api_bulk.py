@@ -163,7 +163,7 @@ def test_keys_are_per_owner_and_an_expired_key_is_new_again(api, other_user):
 def test_an_invalid_item_whose_key_replays_is_answered_from_its_record(api, monkeypatch):
     first = bulk(api, [{**job_body(), "idempotency_key": "k"}]).json()["jobs"][0]
     # The body is valid no more (its task is gone), but it was accepted with this key.
-    monkeypatch.setattr("jobs.validation.registered_task_names", frozenset)
+    monkeypatch.setattr("jobs.api.validation.registered_task_names", frozenset)
     assert bulk(api, [job_body()]).status_code == 400
     response = bulk(api, [{**job_body(), "idempotency_key": "k"}])
     assert response.status_code == 201
@@ -209,7 +209,7 @@ def test_the_schema_describes_the_bulk_endpoint():
 @pytest.mark.django_db
 def test_post_jobs_errors_are_the_serializers_own(api):
     """POST /jobs/ validates with a reused serializer: the answers are is_valid's."""
-    from jobs.validation import JobSpecSerializer
+    from jobs.api.validation import JobSpecSerializer
 
     for body in (None, [], "x", {}, job_body(schedule={"kind": "cron"}), job_body(x=1)):
         response = api.post("/api/v1/jobs/", json.dumps(body), content_type="application/json")

@@ -1,19 +1,15 @@
-"""/metrics (jobs.metrics): the durable counters with their labels, and the histograms and
-attempt counts the database's triggers keep (jobs/migrations/0008_tally.py)."""
+"""/metrics (jobs.ops.metrics): the durable counters with their labels, and the histograms and
+attempt counts the database's triggers keep (storage.tallies)."""
 
 import datetime as dt
-import importlib
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from jobs.metrics import BUCKETS
 from jobs.models import Attempt, Run
+from jobs.ops.metrics import BUCKETS
 from jobs.transitions import attempt_fail, attempt_succeed, run_claim
+from storage import tallies
 from tests.factories import PINNED_NOW, make_job, scheduler_pass
 
 STAGES = (
@@ -111,79 +107,13 @@ def test_a_one_time_job_dated_in_the_past_is_measured_from_its_acceptance(operat
     assert (count, total) == (1, pytest.approx(0.5))
 
 
-def test_every_histogram_has_the_buckets_the_migration_counts_in(operator_api):
-    migration = importlib.import_module("jobs.migrations.0008_tally")
-    assert migration.BUCKETS == BUCKETS
+def test_every_histogram_has_the_buckets_the_triggers_count_in(operator_api):
+    assert tallies.BUCKETS == BUCKETS
     samples = scrape(operator_api.get("/metrics").content.decode())
     for name in STAGES:
         count, total, buckets = histogram(samples, name)
         assert (count, total) == (0, 0)
         assert list(buckets) == [repr(b) for b in BUCKETS] + ["+Inf"]
-
-
-def test_on_sqlite_the_same_workload_is_counted_after_every_migration(tmp_path):
-    """Embedded defaults: SQLite's triggers (recreated after a migration remade a table)
-    count the stages and the attempts as PostgreSQL's do."""
-    probe = """
-import datetime as dt, json, django
-django.setup()
-from django.core.management import call_command
-call_command("migrate", verbosity=0)
-from django.contrib.auth import get_user_model
-from prometheus_client import generate_latest
-from prometheus_client.core import CollectorRegistry
-from jobs.metrics import DatabaseCollector
-from jobs.transitions import attempt_fail, attempt_succeed, run_claim
-from tests import factories
-at = lambda s: factories.PINNED_NOW + dt.timedelta(seconds=s)
-owner = get_user_model().objects.create_user("sqlite")
-for n, ok in enumerate((True, False)):
-    run = factories.queued_run(owner, materialize_at=at(0.25), args=[n])
-    attempt = run_claim(run_id=run.id, worker="w", now=at(1), lease_seconds=60,
-                        published_at=at(0.5))
-    if ok:
-        attempt_succeed(attempt=attempt, now=at(3))
-    else:
-        attempt_fail(attempt=attempt, now=at(3), error="x", retry_at=None)
-registry = CollectorRegistry(auto_describe=False)
-registry.register(DatabaseCollector())
-print(generate_latest(registry).decode())
-"""
-    done = subprocess.run(
-        [sys.executable, "-c", probe],
-        cwd=Path(__file__).resolve().parents[2],
-        env={
-            **os.environ,
-            "DJANGO_SETTINGS_MODULE": "scheduler_project.settings.base",
-            "DATABASE_URL": f"sqlite:///{tmp_path / 'db.sqlite3'}",
-            "CELERY_BROKER_URL": "memory://",
-            "SCHEDULER_VAR_DIR": str(tmp_path / "var"),
-            "SCHEDULER_TASK_MODULES": "tests.sample_tasks",
-        },
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    samples = scrape(done.stdout)
-    assert histogram(samples, "scheduler_discovery_lag_seconds")[:2] == (
-        2,
-        pytest.approx(0.5, abs=1e-3),
-    )
-    assert histogram(samples, "scheduler_publish_lag_seconds")[:2] == (
-        2,
-        pytest.approx(0.5, abs=1e-3),
-    )
-    assert histogram(samples, "scheduler_queue_wait_seconds")[:2] == (
-        2,
-        pytest.approx(1.0, abs=1e-3),
-    )
-    assert histogram(samples, "scheduler_run_duration_seconds")[:2] == (
-        2,
-        pytest.approx(4.0, abs=1e-3),
-    )
-    assert samples[("scheduler_attempts_total", (("outcome", "succeeded"),))] == 1
-    assert samples[("scheduler_attempts_total", (("outcome", "failed"),))] == 1
 
 
 def test_a_job_dated_in_the_past_is_overdue_from_its_acceptance(operator_api, user):
@@ -213,7 +143,7 @@ def test_a_delivery_is_measured_without_a_statement_of_its_own(operator_api, que
     from django.db import connection
     from django.test.utils import CaptureQueriesContext
 
-    from dispatch.runtime import run_execute_delivery
+    from dispatch.worker import run_execute_delivery
 
     run = queued_run()
     with CaptureQueriesContext(connection) as statements:

@@ -1,4 +1,4 @@
-"""The operations endpoints (jobs.ops): anonymous probes with a bare status, details for
+"""The operations endpoints (jobs.ops.views): anonymous probes with a bare status, details for
 operators, /metrics for operators or the scraper's SCHEDULER_METRICS_TOKEN."""
 
 METRIC_NAMES = (

@@ -21,3 +21,21 @@ def test_the_guarantees_indexes_stay_and_the_unneeded_ones_are_gone():
     assert {"attempt_one_running", "attempt_number_unique", "attempt_token_unique"} <= attempts
     assert not {"jobs_run_idempotency_key_7ea90ab1_like", "jobs_run_job_id_f26ec71d"} & runs
     assert "jobs_attempt_run_id_c006c626" not in attempts
+
+
+@pytest.mark.django_db
+def test_the_migrations_install_storages_triggers_and_no_other():
+    """Every trigger of the project is one of storage's Ddl values (storage.tallies,
+    storage.completion), installed by the migrations."""
+    from storage.tallies import STATE_TALLY_TRIGGERS
+
+    expected = {"run_measure_insert", "run_measure_update", "attempt_measure_finish",
+                "run_ended_completes_job", *(name for name, _ in STATE_TALLY_TRIGGERS)}  # fmt: skip
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT tgname FROM pg_trigger WHERE NOT tgisinternal")
+        assert {row[0] for row in cursor.fetchall()} == expected
+        cursor.execute(
+            "SELECT column_default FROM information_schema.columns"
+            " WHERE table_name = 'jobs_attempt' AND column_name = 'released'"
+        )
+        assert cursor.fetchone()[0] == "false"  # raw INSERTs of attempts need not name it

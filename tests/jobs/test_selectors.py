@@ -4,7 +4,7 @@ versions. Clocks are pinned."""
 import datetime as dt
 
 from jobs.models import Run
-from jobs.services import attempt_record_failure
+from jobs.outcomes import attempt_record_failure
 from jobs.transitions import run_claim
 from tests.factories import job_patch as patch
 from tests.factories import scheduler_pass as run_once

@@ -1,13 +1,13 @@
 """scheduler_runs{state} and scheduler_outbox_backlog kept by the database's statement
-triggers (jobs/migrations/0020_state_tallies.py): after the real code paths, the figures a
-scrape reads from the tallies equal a count of the rows; a scrape no longer counts the run
-table or the outbox; the migration starts the tallies from the rows already there; a flush
-(TRUNCATE, as pytest-django's transactional tests do) leaves them consistent."""
+triggers (storage.tallies.STATE_TALLIES, installed by jobs/migrations/0002_tally_triggers):
+after the real code paths, the figures a scrape reads from the tallies equal a count of the
+rows; a scrape no longer counts the run table or the outbox; the migration starts the
+tallies from the rows already there; a flush (TRUNCATE, as pytest-django's transactional
+tests do) leaves them consistent."""
 
 from __future__ import annotations
 
 import datetime as dt
-import importlib
 
 import pytest
 from django.conf import settings
@@ -17,11 +17,13 @@ from django.db.migrations.executor import MigrationExecutor
 from django.db.models import Count
 from django.test.utils import CaptureQueriesContext
 
+from dispatch.broker import ConfirmingPublisher
 from dispatch.promoter import PromoterConfig, promoter_run_once
 from dispatch.pruner import PrunerConfig, pruner_run_once
-from dispatch.relay import ConfirmingPublisher, RelayConfig, relay_run_once
+from dispatch.relay import RelayConfig, relay_run_once
 from jobs.models import Job, JobState, OutboxMessage, Run, RunState, Tally
 from jobs.transitions import attempt_fail, attempt_succeed, attempts_succeed, run_claim
+from storage.tallies import STATE_TALLY_TRIGGERS
 from tests.factories import api_run_cancel, api_run_replay, scheduler_pass
 from tests.jobs.test_metrics import scrape
 from tests.processes import purge_queue
@@ -30,8 +32,7 @@ pytestmark = pytest.mark.skipif(
     connection.vendor != "postgresql", reason="the tallies are PostgreSQL's triggers"
 )
 NOW = dt.datetime(2030, 1, 1, tzinfo=dt.UTC)
-MIGRATION = importlib.import_module("jobs.migrations.0020_state_tallies")
-BEFORE, AFTER = ("jobs", "0019_review_fixes"), ("jobs", "0020_state_tallies")
+BEFORE = ("jobs", "0001_jobs_runs_attempts")  # the tables, no trigger yet
 
 
 def scraped(api) -> tuple[dict[str, float], float]:
@@ -145,8 +146,8 @@ def test_a_scrape_counts_neither_the_run_table_nor_the_outbox(operator_api, queu
 def test_the_migration_starts_the_tallies_from_the_rows_already_there(
     operator_api, queued_run, user
 ):
-    """Back to 0019 (no triggers), runs and outbox rows written, forward to 0020: the
-    tallies count what was there, and the triggers go on from it."""
+    """Back to 0001 (no triggers), runs and outbox rows written, forward again (0002 the
+    tallies): the tallies count what was there, and the triggers go on from it."""
     queued_run(args=[0])
     executor = MigrationExecutor(connection)
     executor.migrate([BEFORE])
@@ -158,7 +159,7 @@ def test_the_migration_starts_the_tallies_from_the_rows_already_there(
     assert attempt_succeed(attempt=attempt, now=NOW)
 
     executor = MigrationExecutor(connection)
-    executor.migrate([AFTER])
+    executor.migrate(executor.loader.graph.leaf_nodes("jobs"))
     assert (
         scraped(operator_api)
         == counted()
@@ -166,7 +167,7 @@ def test_the_migration_starts_the_tallies_from_the_rows_already_there(
     )
     queued_run(args=[4])
     assert_tallied(operator_api)
-    names = [name for name, _ in MIGRATION.TRIGGERS]
+    names = [name for name, _ in STATE_TALLY_TRIGGERS]
     with connection.cursor() as cursor:
         cursor.execute("SELECT count(*) FROM pg_trigger WHERE tgname = ANY(%s)", [names])
         assert cursor.fetchone()[0] == 6

@@ -103,35 +103,6 @@ def test_the_admin_lists_owner_prefix_and_expiry_never_the_key_and_revokes(clien
 
 
 @pytest.mark.django_db
-def test_clear_drf_authtoken_keys_become_hashed_tokens(user):
-    """The migration from DRF's authtoken table (jobs/0008)."""
-    import importlib
-
-    migration = importlib.import_module("jobs.migrations.0008_api_tokens")
-    with connection.cursor() as cursor:
-        cursor.execute(
-            "CREATE TABLE authtoken_token (key varchar(40) PRIMARY KEY, "
-            "user_id integer NOT NULL, created timestamptz NOT NULL)"
-        )
-        cursor.execute("INSERT INTO authtoken_token VALUES (%s, %s, now())", ["a" * 40, user.id])
-
-    from django.apps import apps
-
-    with connection.schema_editor() as editor:
-        migration.hash_legacy_tokens(apps, editor)
-    assert "authtoken_token" not in connection.introspection.table_names()
-    assert _client("a" * 40).get(JOBS).status_code == 200
-    # It expires as a new token would, not never.
-    from django.conf import settings
-
-    from jobs.models import ApiToken
-
-    token = ApiToken.objects.get(name="drf authtoken")
-    left = token.expires_at - token.created_at
-    assert abs(left.days - settings.SCHEDULER_TOKEN_TTL_DAYS) <= 1
-
-
-@pytest.mark.django_db
 def test_standalone_prints_a_token_of_a_plain_user_not_of_the_superuser():
     from dispatch.management.commands.standalone import Command
 

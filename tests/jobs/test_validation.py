@@ -1,4 +1,4 @@
-"""The job body (jobs.validation): POST /api/v1/jobs/ refuses bad input field by field and
+"""The job body (jobs.api.validation): POST /api/v1/jobs/ refuses bad input field by field and
 leaves nothing behind. Everything goes through the real API client and database."""
 
 from __future__ import annotations

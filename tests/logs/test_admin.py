@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 from django.urls import reverse
 
-from jobs.services import attempt_record_failure
+from jobs.outcomes import attempt_record_failure
 from tests.factories import PINNED_NOW, running_attempt, superuser
 from tests.logs.test_api import ship
 

@@ -14,8 +14,8 @@ from django.db import transaction
 from django.urls import reverse
 from rest_framework.test import APIClient
 
-from dispatch.runtime import run_execute_delivery
 from dispatch.scheduler import SchedulerConfig, scheduler_run_once
+from dispatch.worker import run_execute_delivery
 from jobs.models import Attempt, AttemptState, Run, RunState
 from jobs.transitions import attempt_succeed
 from logs_app import selectors as logs_selectors

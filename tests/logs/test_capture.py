@@ -14,7 +14,7 @@ from celery.utils.log import get_task_logger
 from django.core.files.storage import storages
 from django.db import transaction
 
-from dispatch.runtime import run_execute_delivery
+from dispatch.worker import run_execute_delivery
 from jobs.models import Run, RunState
 from logs_app import capture as capture_mod
 from logs_app import store

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from dispatch.runtime import run_execute_delivery
+from dispatch.worker import run_execute_delivery
 from logs_app.models import LogChunk
 from tests.factories import stored_lines
 

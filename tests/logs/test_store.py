@@ -17,7 +17,7 @@ from django.core.files.storage import storages
 from django.db import connection, transaction
 
 from dispatch.reaper import ReaperConfig, reaper_run_once
-from dispatch.runtime import run_execute_delivery
+from dispatch.worker import run_execute_delivery
 from jobs.clock import db_now
 from jobs.models import Attempt, Run, RunState
 from logs_app import store
@@ -102,7 +102,7 @@ def test_s3_storage_through_django_storages(api, queued_run, settings, s3):
 def test_a_storage_backend_that_fails_keeps_chunks_inline_and_the_run_succeeds(
     queued_run, settings, s3
 ):
-    from dispatch.runtime import run_execute_delivery
+    from dispatch.worker import run_execute_delivery
     from jobs.models import RunState
     from logs_app.models import LogManifest
     from logs_app.store import chunk_lines

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from jobs.validation import JobSpecSerializer
+from jobs.api.validation import JobSpecSerializer
 
 ROOT = Path(__file__).resolve().parents[2]
 README = (ROOT / "README.md").read_text()

@@ -1,15 +1,10 @@
 from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError
 
+from dispatch.broker import ConfirmingPublisher, queues_declare
 from dispatch.clockskew import ClockSkewConfig, clock_skew_thread
 from dispatch.loop import StopSignal, run_loop, run_once_step
-from dispatch.relay import (
-    ConfirmingPublisher,
-    RelayConfig,
-    queues_declare,
-    relay_run_once,
-    relay_sleep,
-)
+from dispatch.relay import RelayConfig, relay_run_once, relay_sleep
 from dispatch.shares import OwnerTurns
 from dispatch.wakeup import Listener
 from jobs.lanes import lane_queues

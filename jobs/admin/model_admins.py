@@ -1,0 +1,262 @@
+"""Operators browse jobs, runs and attempts here, and act on them through the same
+services as the API (each action is audited with its actor)."""
+
+import json
+
+from django.contrib import admin, messages
+from django.utils.html import format_html
+
+from ..audit import audit_record
+from ..clock import db_now
+from ..models import (
+    OWNER_LIMIT_STATES,
+    ActiveRun,
+    ApiToken,
+    Attempt,
+    AuditEvent,
+    Counter,
+    Effect,
+    Job,
+    OutboxMessage,
+    OutboxState,
+    OwnerLimit,
+    Run,
+)
+from ..redaction import redact, redact_value
+from ..roles import user_is_operator
+from ..services import job_is_editable
+from ..tokens import tokens_revoke
+from .actions import JOB_ACTIONS, RUN_ACTIONS, action_buttons
+from .forms import JobEditing
+from .pages import job_page, run_page
+
+
+def redacted_json(value) -> str:
+    """A stored JSON value (spec, args, kwargs, labels, result, audit data) as the admin
+    shows it: secret-looking values masked at any depth (jobs.redaction)."""
+    return format_html(
+        "<pre>{}</pre>", json.dumps(redact_value(value), indent=2, ensure_ascii=False, default=str)
+    )
+
+
+class ReadOnlyAdmin(admin.ModelAdmin):
+    """State changes go through jobs.services and jobs.transitions, never through a form."""
+
+    def has_add_permission(self, request):
+        return False
+
+    def has_change_permission(self, request, obj=None):
+        return False
+
+    def has_delete_permission(self, request, obj=None):
+        return False
+
+
+class OperatorPage:
+    """A change page showing what `page(obj)` adds (jobs/admin/pages.py) and the buttons of
+    the actions this user may take on the object."""
+
+    def page(self, obj) -> dict:
+        raise NotImplementedError
+
+    def change_view(self, request, object_id, form_url="", extra_context=None):
+        obj = self.get_object(request, object_id)
+        if obj is not None:
+            extra_context = {**(extra_context or {}), **self.page(obj),
+                             "action_buttons": action_buttons(self, request)}  # fmt: skip
+        return super().change_view(request, object_id, form_url, extra_context)
+
+
+@admin.register(Job)
+class JobAdmin(OperatorPage, JobEditing, admin.ModelAdmin):
+    """Created and edited through the API's validation and services (jobs/admin/forms.py);
+    the page shows the schedule in words, next fires, recent runs and history."""
+
+    list_display = ("name", "task", "owner", "state", "version", "next_run_at", "created_at")
+    list_filter = ("state", "task", "queue")
+    search_fields = ("name", "task", "id")
+    actions = JOB_ACTIONS
+    change_form_template = "admin/jobs/job/change_form.html"
+    STATE_FIELDS = ("owner", "state", "version", "next_run_at", "created_at", "updated_at")
+    readonly_fields = (*STATE_FIELDS, "body_display")
+
+    def get_fieldsets(self, request, obj=None):
+        if obj is None:
+            return [(None, {"fields": ["body"]})]
+        editable = self.has_change_permission(request, obj)
+        body = ["body", "based_on"] if editable else ["body_display"]
+        return [(None, {"fields": body}), ("State", {"fields": list(self.STATE_FIELDS)})]
+
+    @admin.display(description="body")
+    def body_display(self, job):
+        return redacted_json(job.spec)
+
+    def page(self, job) -> dict:
+        return job_page(job=job, now=db_now())
+
+    def has_change_permission(self, request, obj=None):
+        # A cancelled, completed or deleted job is shown, not edited (the API answers 409).
+        editable = obj is None or job_is_editable(job=obj)
+        return editable and super().has_change_permission(request, obj)
+
+    def has_delete_permission(self, request, obj=None):
+        return False  # the API's DELETE is a soft delete through job_delete
+
+    # The actions' permissions (jobs/admin/actions.py): the model's custom permissions.
+    def has_pause_permission(self, request):
+        return request.user.has_perm("jobs.pause_job")
+
+    def has_cancel_permission(self, request):
+        return request.user.has_perm("jobs.cancel_job")
+
+    def has_trigger_permission(self, request):
+        return request.user.has_perm("jobs.trigger_job")
+
+
+@admin.register(Run)
+class RunAdmin(OperatorPage, ReadOnlyAdmin):
+    list_display = (
+        "id",
+        "job",
+        "kind",
+        "state",
+        "scheduled_for",
+        "attempt_count",
+        "failure_reason",
+        "duplicate_deliveries",
+        "finished_at",
+    )
+    list_filter = ("state", "kind", "failure_reason")
+    search_fields = ("id", "job__name", "idempotency_key")
+    date_hierarchy = "scheduled_for"
+    actions = RUN_ACTIONS
+    change_form_template = "admin/jobs/run/change_form.html"
+    exclude = ("result",)
+    readonly_fields = ("shown_result",)
+
+    @admin.display(description="result")
+    def shown_result(self, run):
+        return redacted_json(run.result)
+
+    def page(self, run) -> dict:
+        return run_page(run=run)
+
+    def has_cancel_permission(self, request):
+        return request.user.has_perm("jobs.cancel_run")
+
+    def has_replay_permission(self, request):
+        return request.user.has_perm("jobs.replay_run")
+
+
+@admin.register(Attempt)
+class AttemptAdmin(ReadOnlyAdmin):
+    list_display = (
+        "run",
+        "number",
+        "state",
+        "fencing_token",
+        "worker",
+        "started_at",
+        "finished_at",
+    )
+    list_filter = ("state",)
+    exclude = ("error",)
+    readonly_fields = ("attempt_error",)
+
+    @admin.display(description="error")
+    def attempt_error(self, attempt) -> str:
+        return redact(attempt.error)
+
+
+@admin.register(AuditEvent)
+class AuditEventAdmin(ReadOnlyAdmin):
+    list_display = ("created_at", "actor_label", "action", "job", "run")
+    list_filter = ("action",)
+    exclude = ("data",)
+    readonly_fields = ("shown_data",)
+
+    @admin.display(description="data")
+    def shown_data(self, event):
+        return redacted_json(event.data)
+
+
+@admin.register(OutboxMessage)
+class OutboxMessageAdmin(ReadOnlyAdmin):
+    # Only pending rows exist: the relay deletes a row once the broker confirmed it.
+    list_display = ("id", "run", "owner", "task_name", "queue", "created_at", "publish_tries")
+    list_filter = ("queue",)
+
+
+WAITING_RUNS_SHOWN = 1000  # an owner's waiting runs counted up to this in the limits' list
+
+
+@admin.register(OwnerLimit)
+class OwnerLimitAdmin(admin.ModelAdmin):
+    """An owner's own limit of runs in the broker or running at once, instead of
+    SCHEDULER_OWNER_MAX_ACTIVE_RUNS (empty: unlimited); each change audited. Operators only
+    (the operators group, superusers), whatever their model permissions."""
+
+    list_display = ("owner", "max_active_runs", "active_runs", "waiting_runs", "updated_at")
+    search_fields = ("owner__username",)
+    raw_id_fields = ("owner",)
+
+    def has_module_permission(self, request):
+        return user_is_operator(request.user)
+
+    def has_view_permission(self, request, obj=None):
+        return user_is_operator(request.user)
+
+    has_add_permission = has_change_permission = has_delete_permission = has_view_permission
+
+    @admin.display(description="in the broker or running")
+    def active_runs(self, limit):
+        return ActiveRun.objects.filter(
+            owner_id=limit.owner_id, run__state__in=OWNER_LIMIT_STATES
+        ).count()
+
+    @admin.display(description="waiting to be published")
+    def waiting_runs(self, limit):
+        # Counted up to a cap: an owner's backlog waiting on purpose may be very long.
+        waiting = OutboxMessage.objects.filter(owner_id=limit.owner_id, state=OutboxState.PENDING)
+        count = waiting[: WAITING_RUNS_SHOWN + 1].count()
+        return f"{WAITING_RUNS_SHOWN}+" if count > WAITING_RUNS_SHOWN else count
+
+    def save_model(self, request, obj, form, change):
+        super().save_model(request, obj, form, change)
+        limit = {"owner": obj.owner_id, "max_active_runs": obj.max_active_runs}
+        audit_record(action="owner.limit_set", actor=request.user, data=limit)
+
+    def delete_model(self, request, obj):
+        audit_record(action="owner.limit_removed", actor=request.user,
+                     data={"owner": obj.owner_id})  # fmt: skip
+        super().delete_model(request, obj)
+
+
+@admin.register(Effect)
+class EffectAdmin(ReadOnlyAdmin):
+    list_display = ("run", "name", "attempt_number", "fencing_token", "created_at")
+
+
+@admin.register(Counter)
+class CounterAdmin(ReadOnlyAdmin):
+    list_display = ("name", "labels", "value")
+
+
+@admin.register(ApiToken)
+class ApiTokenAdmin(ReadOnlyAdmin):
+    """Owner, prefix, creation and expiry; never the key (only its hash is stored, and not
+    shown either). New tokens: `manage.py drf_create_token <user>`."""
+
+    list_display = ("prefix", "owner", "name", "created_at", "expires_at", "revoked_at")
+    list_filter = ("revoked_at",)
+    search_fields = ("prefix", "owner__username", "name")
+    exclude = ("digest",)
+    actions = ["revoke_tokens"]
+
+    def has_revoke_permission(self, request) -> bool:
+        return request.user.has_perm("jobs.change_apitoken")
+
+    @admin.action(description="Revoke the selected tokens", permissions=["revoke"])
+    def revoke_tokens(self, request, queryset):
+        revoked = tokens_revoke(tokens=queryset, now=db_now())
+        self.message_user(request, f"revoked: {revoked}", messages.SUCCESS)

@@ -1,0 +1,66 @@
+"""POST /schedules/preview/: a schedule's next occurrences, DST shifts and folds named."""
+
+from __future__ import annotations
+
+import datetime as dt
+
+from drf_spectacular.utils import OpenApiExample, extend_schema
+from rest_framework import serializers
+from rest_framework.response import Response
+from rest_framework.views import APIView
+
+from .. import schedules
+from ..clock import db_now
+from .validation import PreviewSerializer
+
+
+class OccurrenceOutput(serializers.Serializer):
+    at = serializers.DateTimeField(help_text="UTC.")
+    local = serializers.CharField(help_text="ISO 8601 in the schedule's zone, with offset.")
+    dst = serializers.ChoiceField(
+        choices=["", "gap_shifted", "fold_first", "fold_second"],
+        help_text="gap_shifted: moved to the end of a spring-forward gap; fold_first / "
+        "fold_second: one of the two instants of a repeated local time.",
+    )
+    doubled = serializers.BooleanField(
+        help_text="The same local time fires twice (fold: both, or auto with a wildcard hour)."
+    )
+
+
+class PreviewOutput(serializers.Serializer):
+    occurrences = OccurrenceOutput(many=True)
+
+
+class SchedulePreviewApi(APIView):
+    @extend_schema(
+        request=PreviewSerializer,
+        responses=PreviewOutput,
+        examples=[
+            OpenApiExample(
+                "02:30 daily in New York across spring forward",
+                request_only=True,
+                value={
+                    "schedule": {
+                        "kind": "cron",
+                        "expression": "30 2 * * *",
+                        "timezone": "America/New_York",
+                    },
+                    "dst": {"gap": "shift", "fold": "auto"},
+                    "after": "2025-03-08T00:00:00Z",
+                    "count": 3,
+                },
+            )
+        ],
+    )
+    def post(self, request):
+        preview = PreviewSerializer(data=request.data)
+        preview.is_valid(raise_exception=True)
+        data = preview.validated_data
+        after = dt.datetime.fromisoformat(data["after"]) if data.get("after") else db_now()
+        try:
+            found = schedules.schedule_preview(
+                schedule=data["schedule"], dst=data["dst"], after=after, count=data["count"]
+            )
+        except schedules.ScheduleError as exc:
+            raise serializers.ValidationError({"schedule": [str(exc)]}) from exc
+        return Response(PreviewOutput({"occurrences": found}).data)

@@ -1,0 +1,133 @@
+"""Attempts: lease renewals and the batched success of attempts and their runs, and the
+bounded lock wait of a transaction that ends attempts."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import uuid
+from typing import NamedTuple
+
+from django.db import connection
+
+from .sql import execute, fetch_all, fetch_one
+
+
+class LeaseRenewal(NamedTuple):
+    """A running attempt's lease to extend: it holds `token`, for `seconds` from now."""
+
+    attempt_id: int
+    token: int
+    seconds: float
+
+
+_RENEW = """
+    WITH clock AS (SELECT COALESCE(%s::timestamptz, clock_timestamp()) AS now)
+    UPDATE jobs_attempt AS a
+       SET heartbeat_at = clock.now,
+           lease_expires_at = clock.now + make_interval(secs => l.seconds)
+      FROM clock, unnest(%s::bigint[], %s::bigint[], %s::float8[]) AS l(id, token, seconds)
+     WHERE a.id = l.id AND a.state = 'running' AND a.fencing_token = l.token
+ RETURNING a.id
+"""
+
+
+def attempts_renew_leases(
+    *, leases: list[LeaseRenewal] | list[tuple[int, int, float]], now: dt.datetime | None = None
+) -> set[int]:
+    """Extend the leases of running attempts that still hold their token, in one
+    statement; `now` defaults to the database's clock (clock_timestamp()). The ids renewed:
+    an attempt missing from it lost its lease or its token.
+
+    Conditioned on the attempt row alone: every path that moves a run out of `running` ends
+    its running attempt in the same transaction, and a condition through a join is not
+    re-checked by PostgreSQL after waiting on the row (READ COMMITTED), so it could renew an
+    attempt the reaper ended meanwhile. Runs in its own implicit transaction or the
+    caller's; takes the attempts' row locks."""
+    if not leases:
+        return set()
+    ids, tokens, seconds = (list(column) for column in zip(*leases, strict=True))
+    return {row[0] for row in fetch_all(_RENEW, [now, ids, tokens, seconds])}
+
+
+class Success(NamedTuple):
+    """An attempt to record succeeded: its run, the token it holds, the run's result (any
+    JSON value; None stays SQL NULL) and, for a reserved attempt, its start as its worker
+    saw it (None: the claim wrote it)."""
+
+    attempt_id: int
+    run_id: uuid.UUID
+    token: int
+    result: object
+    started_at: dt.datetime | None
+
+
+class Succeeded(NamedTuple):
+    won: set[int]  # the ids of the attempts that moved to succeeded
+    runs_moved: int  # their runs moved with them (equal to len(won) but for a hand edit)
+
+
+_SUCCEED = """
+    WITH outcome AS (
+        SELECT * FROM unnest(%(ids)s::bigint[], %(runs)s::uuid[], %(tokens)s::bigint[],
+                             %(results)s::jsonb[], %(started)s::timestamptz[])
+                   AS o(attempt_id, run_id, token, result, started)
+    ),
+    finished AS (
+        UPDATE jobs_attempt AS a
+           SET state = 'succeeded', error = '',
+               finished_at = STATEMENT_TIMESTAMP(),
+               started_at = COALESCE(a.started_at, o.started)
+          FROM outcome AS o
+         WHERE a.id = o.attempt_id AND a.state = 'running'
+           AND a.fencing_token = o.token
+           AND EXISTS (SELECT 1 FROM jobs_run AS r WHERE r.id = o.run_id
+                       AND r.state = 'running' AND r.fencing_token = o.token)
+     RETURNING a.id, a.run_id, o.token, o.result, a.started_at
+    ),
+    moved AS (
+        UPDATE jobs_run AS r
+           SET state = 'succeeded', finished_at = STATEMENT_TIMESTAMP(),
+               updated_at = STATEMENT_TIMESTAMP(), result = f.result, failure_reason = '',
+               started_at = COALESCE(r.started_at, f.started_at)
+          FROM finished AS f
+         WHERE r.id = f.run_id AND r.state = 'running' AND r.fencing_token = f.token
+     RETURNING r.id
+    )
+    SELECT (SELECT count(*) FROM moved), array_agg(id) FROM finished
+"""
+
+
+def attempts_succeed(*, successes: list[Success]) -> Succeeded:
+    """running -> succeeded for attempts and their runs, in one statement: each only while
+    its attempt is running with its token and its run is running with the same token (the
+    current one). Finished at the statement's time. Run inside the caller's transaction (a
+    hand edit of a run between the two updates shows as `runs_moved < len(won)`, for the
+    caller to roll back); takes the attempts' and the runs' row locks."""
+    if not successes:
+        return Succeeded(won=set(), runs_moved=0)
+    moved, won = fetch_one(
+        _SUCCEED,
+        {
+            "ids": [success.attempt_id for success in successes],
+            "runs": [success.run_id for success in successes],
+            "tokens": [success.token for success in successes],
+            # None stays SQL NULL, as the ORM stores it.
+            "results": [
+                None if success.result is None else json.dumps(success.result)
+                for success in successes
+            ],
+            "started": [success.started_at for success in successes],
+        },
+    )
+    return Succeeded(won=set(won or ()), runs_moved=moved)
+
+
+def lock_timeout_set_local(*, seconds: float) -> None:
+    """Bound how long the rest of the caller's transaction waits for any lock (SET LOCAL
+    lock_timeout, in milliseconds): past it the waiting statement fails with
+    OperationalError (lock_not_available) instead of queueing behind the holder. Must run
+    inside a transaction block; takes no lock."""
+    if not connection.in_atomic_block:
+        raise RuntimeError("lock_timeout_set_local needs a transaction block")
+    execute(f"SET LOCAL lock_timeout = '{int(seconds * 1000)}ms'")

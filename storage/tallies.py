@@ -1,0 +1,256 @@
+"""The tallies: metrics the database keeps in `jobs_tally` as the events commit, by trigger.
+
+Each tally is sharded: a session adds to shard mod(pg_backend_pid(), SHARDS), so concurrent
+workers never wait on one row, and a reader adds the shards up (docs/operations.md,
+"Metrics"). No process keeps a count in memory, a SIGKILL loses nothing that committed, no
+extra statement is sent by anyone, and every path (worker, reaper, reconciler, admin) counts
+alike.
+
+- `STAGE_HISTOGRAMS`: the stage lags, the run duration (histograms of fixed BUCKETS) and
+  the attempts by outcome (`scheduler_attempts_total`), by row triggers on jobs_run and
+  jobs_attempt.
+- `STATE_TALLIES`: the runs by state (`scheduler_runs`) and the outbox backlog
+  (`scheduler_outbox_backlog`), by statement triggers with transition tables, started from
+  the rows already there.
+
+Both are installed by jobs/migrations/0002_tally_triggers.py.
+"""
+
+from .ddl import Ddl
+
+# The buckets (upper bounds, seconds) the histograms count in; a reader exports them even
+# while empty, so every histogram has the same series from its first scrape.
+BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+           300.0, 900.0, 3600.0, 21600.0, 86400.0)  # fmt: skip
+SHARDS = 16  # sessions add to shard mod(pg_backend_pid(), SHARDS)
+
+DISCOVERY_LAG = "scheduler_discovery_lag_seconds"
+PUBLISH_LAG = "scheduler_publish_lag_seconds"
+QUEUE_WAIT = "scheduler_queue_wait_seconds"
+RUN_DURATION = "scheduler_run_duration_seconds"
+ATTEMPTS = "scheduler_attempts_total"
+RUNS_BY_STATE = "scheduler_runs"
+OUTBOX_BACKLOG = "scheduler_outbox_backlog"
+
+RUN_TABLE = "jobs_run"
+ATTEMPT_TABLE = "jobs_attempt"
+OUTBOX_TABLE = "dispatch_outboxmessage"
+TALLY_TABLE = "jobs_tally"
+
+
+# -- the stage histograms and the attempts by outcome -----------------------------------
+
+
+def _bucket(seconds: str) -> str:
+    """SQL: the `le` label of the bucket `seconds` falls in."""
+    whens = " ".join(f"WHEN {seconds} <= {b!r} THEN 'le=\"{b!r}\"'" for b in BUCKETS)
+    return f"CASE {whens} ELSE 'le=\"+Inf\"' END"
+
+
+def _seconds(end: str, start: str) -> str:
+    return f"GREATEST(EXTRACT(EPOCH FROM {end} - {start})::float8, 0)"
+
+
+def _add(name: str, labels: str, n: str = "1", total: str = "v_seconds") -> str:
+    """PL/pgSQL: add to this session's shard of a tally; an UPDATE (the row exists after a
+    shard's first event), an upsert only the first time."""
+    return f"""
+        UPDATE {TALLY_TABLE} SET count = count + {n}, total = total + {total}
+         WHERE name = '{name}' AND labels = {labels} AND shard = v_shard;
+        IF NOT FOUND THEN
+            INSERT INTO {TALLY_TABLE} AS t (name, labels, shard, count, total)
+            VALUES ('{name}', {labels}, v_shard, {n}, {total})
+            ON CONFLICT (name, labels, shard) DO UPDATE
+               SET count = t.count + excluded.count, total = t.total + excluded.total;
+        END IF;"""
+
+
+def _observe(name: str, seconds: str) -> str:
+    return f"""
+        v_seconds := {seconds};
+        v_bucket := {_bucket("v_seconds")};""" + _add(name, "v_bucket")
+
+
+RELEASED = "OLD.state = 'pending' AND NEW.state = 'queued'"  # by the promoter
+FIRST_CLAIM = "OLD.started_at IS NULL AND NEW.started_at IS NOT NULL"
+FINISHED = "OLD.finished_at IS NULL AND NEW.finished_at IS NOT NULL AND NEW.started_at IS NOT NULL"
+# A run moves running -> succeeded only with its attempt, in the same statement or
+# transaction (jobs.transitions): the run's trigger counts that attempt, so the success path
+# fires one trigger; attempts ending otherwise are counted by the attempt's own trigger.
+SUCCEEDED = "OLD.state = 'running' AND NEW.state = 'succeeded'"
+SUCCEEDED_LABEL = "'outcome=\"succeeded\"'"
+# An attempt that ended otherwise, unless released unstarted (`Attempt.released`: a pack's
+# reserved attempt its worker never reached, docs/semantics.md, "Packed deliveries"): it
+# never ran, so it is not counted as lost.
+ATTEMPT_ENDED = "OLD.state = 'running' AND NEW.state NOT IN ('running', 'succeeded')"
+ATTEMPT_COUNTED = f"{ATTEMPT_ENDED} AND NOT NEW.released"
+DECLARE = f"""DECLARE
+    v_shard smallint := mod(pg_backend_pid(), {SHARDS});
+    v_seconds float8;
+    v_bucket text;"""
+
+_LAGS = (
+    f"SELECT {_seconds('created_at', 'due_at')} AS lag FROM inserted_runs WHERE state = 'queued'"
+)
+_PUBLISHED_SINCE = "GREATEST(NEW.created_at, NEW.due_at)"
+_UPDATED = f"""
+    IF {RELEASED} THEN{_observe(DISCOVERY_LAG, _seconds("NEW.updated_at", "NEW.due_at"))}
+    END IF;
+    IF {FIRST_CLAIM} AND NEW.published_at IS NOT NULL THEN{
+    _observe(PUBLISH_LAG, _seconds("NEW.published_at", _PUBLISHED_SINCE))
+}{_observe(QUEUE_WAIT, _seconds("NEW.started_at", "NEW.published_at"))}
+    END IF;
+    IF {FINISHED} THEN{_observe(RUN_DURATION, _seconds("NEW.finished_at", "NEW.started_at"))}
+    END IF;
+    IF {SUCCEEDED} THEN{_add(ATTEMPTS, SUCCEEDED_LABEL, total="0")}
+    END IF;"""
+
+# PL/pgSQL triggers on generic plans kept for the session (a SQL function's body is planned
+# at every call, and PL/pgSQL's own choice kept re-planning custom plans), adding with an
+# UPDATE of an existing row: ~30 us a firing over the cost of calling a trigger at all, on
+# the 2-core development box, against ~200 us for a SQL function's upsert. The attempts
+# that finished before the triggers start the counter, so installing them on a database
+# with history does not read as a counter reset.
+STAGE_HISTOGRAMS = Ddl(
+    create=f"""
+INSERT INTO {TALLY_TABLE} (name, labels, shard, count, total)
+SELECT '{ATTEMPTS}', 'outcome="' || state || '"', 0, count(*), 0
+  FROM {ATTEMPT_TABLE} WHERE state <> 'running' AND NOT released GROUP BY state;
+
+-- Runs inserted queued (the materializer's batches, triggers, backfills): due -> created,
+-- one statement per INSERT of runs.
+CREATE FUNCTION scheduler_runs_inserted() RETURNS trigger LANGUAGE plpgsql
+    SET plan_cache_mode = force_generic_plan AS $$
+BEGIN
+    INSERT INTO {TALLY_TABLE} AS t (name, labels, shard, count, total)
+    SELECT '{DISCOVERY_LAG}', {_bucket("lag")}, mod(pg_backend_pid(), {SHARDS}),
+           count(*), sum(lag)
+      FROM ({_LAGS}) AS lags GROUP BY 2
+    ON CONFLICT (name, labels, shard) DO UPDATE
+       SET count = t.count + excluded.count, total = t.total + excluded.total;
+    RETURN NULL;
+END $$;
+CREATE TRIGGER run_measure_insert AFTER INSERT ON {RUN_TABLE}
+    REFERENCING NEW TABLE AS inserted_runs FOR EACH STATEMENT
+    EXECUTE FUNCTION scheduler_runs_inserted();
+
+CREATE FUNCTION scheduler_run_updated() RETURNS trigger LANGUAGE plpgsql
+    SET plan_cache_mode = force_generic_plan AS $$
+{DECLARE}
+BEGIN{_UPDATED}
+    RETURN NULL;
+END $$;
+CREATE TRIGGER run_measure_update AFTER UPDATE ON {RUN_TABLE} FOR EACH ROW
+    WHEN (({RELEASED}) OR ({FIRST_CLAIM}) OR ({FINISHED}) OR ({SUCCEEDED}))
+    EXECUTE FUNCTION scheduler_run_updated();
+
+CREATE FUNCTION scheduler_attempt_ended() RETURNS trigger LANGUAGE plpgsql
+    SET plan_cache_mode = force_generic_plan AS $$
+{DECLARE}
+BEGIN
+    v_bucket := 'outcome="' || NEW.state || '"';{_add(ATTEMPTS, "v_bucket", total="0")}
+    RETURN NULL;
+END $$;
+CREATE TRIGGER attempt_measure_finish AFTER UPDATE OF state ON {ATTEMPT_TABLE} FOR EACH ROW
+    WHEN ({ATTEMPT_COUNTED})
+    EXECUTE FUNCTION scheduler_attempt_ended();
+""",
+    drop=f"""
+DROP TRIGGER attempt_measure_finish ON {ATTEMPT_TABLE};
+DROP TRIGGER run_measure_update ON {RUN_TABLE};
+DROP TRIGGER run_measure_insert ON {RUN_TABLE};
+DROP FUNCTION scheduler_attempt_ended();
+DROP FUNCTION scheduler_run_updated();
+DROP FUNCTION scheduler_runs_inserted();
+DELETE FROM {TALLY_TABLE}
+ WHERE name IN ('{DISCOVERY_LAG}', '{PUBLISH_LAG}', '{QUEUE_WAIT}', '{RUN_DURATION}',
+                '{ATTEMPTS}');
+""",
+)
+
+
+# -- the runs by state and the outbox backlog --------------------------------------------
+
+
+def _add_deltas(name: str, labels: str, deltas: str) -> str:
+    """SQL: add the signed `deltas` (rows of `state`, `delta`) to this session's shard of
+    tally `name`, one row per label whose net change is not zero (an update that left the
+    state alone writes nothing), in label order (one lock order within a statement)."""
+    return f"""
+    INSERT INTO {TALLY_TABLE} AS t (name, labels, shard, count, total)
+    SELECT '{name}', {labels}, mod(pg_backend_pid(), {SHARDS}), sum(delta), 0
+      FROM ({deltas}) AS deltas GROUP BY 2 HAVING sum(delta) <> 0 ORDER BY 2
+    ON CONFLICT (name, labels, shard) DO UPDATE SET count = t.count + excluded.count;"""
+
+
+RUN_LABEL = "'state=\"' || state || '\"'"
+# Net change by state without joining old and new rows: the rows of a state after the
+# statement minus those before (a row whose state did not change cancels out).
+_RUN_DELTAS = {
+    "insert": "SELECT state, 1 AS delta FROM new_rows",
+    "update": "SELECT state, 1 AS delta FROM new_rows UNION ALL SELECT state, -1 FROM old_rows",
+    "delete": "SELECT state, -1 AS delta FROM old_rows",
+}
+_OUTBOX_DELTAS = {
+    event: deltas.replace("FROM new_rows", "FROM new_rows WHERE state = 'pending'").replace(
+        "FROM old_rows", "FROM old_rows WHERE state = 'pending'"
+    )
+    for event, deltas in _RUN_DELTAS.items()
+}
+_REFERENCING = {
+    "insert": "NEW TABLE AS new_rows",
+    "update": "OLD TABLE AS old_rows NEW TABLE AS new_rows",
+    "delete": "OLD TABLE AS old_rows",
+}
+_EVENTS = ("insert", "update", "delete")
+# (function/trigger name, table, tally, label, deltas by event)
+_STATE_TALLIES = (
+    ("run_state_tally", RUN_TABLE, RUNS_BY_STATE, RUN_LABEL, _RUN_DELTAS),
+    ("outbox_backlog_tally", OUTBOX_TABLE, OUTBOX_BACKLOG, "''", _OUTBOX_DELTAS),
+)
+# (trigger and function name, table) of every state tally trigger.
+STATE_TALLY_TRIGGERS = tuple(
+    (f"{name}_{event}", table) for name, table, *_ in _STATE_TALLIES for event in _EVENTS
+)
+
+
+def _state_tally_triggers() -> str:
+    statements = []
+    for name, table, tally, labels, deltas in _STATE_TALLIES:
+        for event in _EVENTS:
+            statements += [
+                f"""CREATE FUNCTION {name}_{event}() RETURNS trigger LANGUAGE plpgsql
+    SET plan_cache_mode = force_generic_plan AS $$
+BEGIN{_add_deltas(tally, labels, deltas[event])}
+    RETURN NULL;
+END $$;""",
+                # PostgreSQL allows transition tables on one event per trigger only.
+                f"CREATE TRIGGER {name}_{event} AFTER {event.upper()} ON {table}"
+                f" REFERENCING {_REFERENCING[event]} FOR EACH STATEMENT"
+                f" EXECUTE FUNCTION {name}_{event}();",
+            ]
+    return "\n".join(statements)
+
+
+# Statement-level triggers with transition tables: a statement that inserts, moves or
+# deletes thousands of rows (the materializer's batch, the relay's delete, the worker's
+# packed successes, retention) adds one row per state it changed to this session's shard,
+# not one write per row. The count and the triggers in one transaction (a migration's),
+# with every write to both tables held off meanwhile (reads go on): no row is counted twice
+# or missed between them.
+STATE_TALLIES = Ddl(
+    create=f"""
+LOCK TABLE {RUN_TABLE}, {OUTBOX_TABLE} IN SHARE ROW EXCLUSIVE MODE;
+DELETE FROM {TALLY_TABLE} WHERE name IN ('{RUNS_BY_STATE}', '{OUTBOX_BACKLOG}');
+INSERT INTO {TALLY_TABLE} (name, labels, shard, count, total)
+SELECT '{RUNS_BY_STATE}', {RUN_LABEL}, 0, count(*), 0 FROM {RUN_TABLE} GROUP BY state;
+INSERT INTO {TALLY_TABLE} (name, labels, shard, count, total)
+SELECT '{OUTBOX_BACKLOG}', '', 0, count(*), 0 FROM {OUTBOX_TABLE} WHERE state = 'pending';
+{_state_tally_triggers()}
+""",
+    drop="\n".join(
+        f"DROP TRIGGER {name} ON {table}; DROP FUNCTION {name}();"
+        for name, table in STATE_TALLY_TRIGGERS
+    )
+    + f"\nDELETE FROM {TALLY_TABLE} WHERE name IN ('{RUNS_BY_STATE}', '{OUTBOX_BACKLOG}');",
+)

@@ -1,0 +1,178 @@
+"""storage.attempts against PostgreSQL: lease renewals, the batched success, the bounded
+lock wait, and their races on two real connections."""
+
+from __future__ import annotations
+
+import datetime as dt
+import threading
+
+import pytest
+from django.db import OperationalError, transaction
+
+from jobs.models import Attempt, AttemptState, Run, RunState
+from jobs.transitions import run_claim
+from storage.attempts import (
+    LeaseRenewal,
+    Success,
+    attempts_renew_leases,
+    attempts_succeed,
+    lock_timeout_set_local,
+)
+from tests.factories import PINNED_NOW
+from tests.threads import in_thread, wait_for_lock_waiters
+
+NOW = PINNED_NOW
+
+
+def later(seconds: float) -> dt.datetime:
+    return NOW + dt.timedelta(seconds=seconds)
+
+
+@pytest.fixture
+def claimed(queued_run):
+    """claimed(): a queued run's attempt, claimed at NOW with a 30 s lease."""
+
+    def make() -> Attempt:
+        run = queued_run()
+        return run_claim(run_id=run.id, worker="w", now=NOW, lease_seconds=30)
+
+    return make
+
+
+def success(attempt: Attempt, result=None, *, token: int | None = None) -> Success:
+    token = attempt.fencing_token if token is None else token
+    return Success(attempt_id=attempt.id, run_id=attempt.run_id, token=token, result=result,
+                   started_at=None)  # fmt: skip
+
+
+@pytest.mark.django_db
+def test_renewals_extend_the_leases_of_attempts_that_hold_their_token(claimed):
+    held, stale, ended = claimed(), claimed(), claimed()
+    Attempt.objects.filter(id=ended.id).update(state=AttemptState.LOST)
+
+    renewed = attempts_renew_leases(
+        leases=[LeaseRenewal(held.id, held.fencing_token, 60.0),
+                LeaseRenewal(stale.id, stale.fencing_token + 1, 60.0),
+                (ended.id, ended.fencing_token, 60.0)],
+        now=later(10),
+    )  # fmt: skip
+
+    assert renewed == {held.id}
+    held.refresh_from_db()
+    assert (held.heartbeat_at, held.lease_expires_at) == (later(10), later(70))
+    stale.refresh_from_db()
+    assert stale.lease_expires_at == later(30)
+    assert attempts_renew_leases(leases=[]) == set()
+
+
+@pytest.mark.django_db
+def test_a_renewal_without_an_instant_takes_the_database_clock(claimed):
+    attempt = claimed()
+
+    assert attempts_renew_leases(leases=[(attempt.id, attempt.fencing_token, 30.0)]) == {attempt.id}
+    attempt.refresh_from_db()
+    # The database's clock, not the pinned one the claim used.
+    assert abs(attempt.heartbeat_at - dt.datetime.now(dt.UTC)) < dt.timedelta(minutes=1)
+    assert attempt.lease_expires_at == attempt.heartbeat_at + dt.timedelta(seconds=30)
+
+
+@pytest.mark.django_db
+def test_successes_move_attempts_and_runs_together_while_they_hold_their_token(claimed):
+    first, second, stale = claimed(), claimed(), claimed()
+
+    with transaction.atomic():
+        succeeded = attempts_succeed(
+            successes=[success(first, {"rows": 3}), success(second),
+                       success(stale, token=stale.fencing_token + 1)]
+        )  # fmt: skip
+
+    assert succeeded.won == {first.id, second.id} and succeeded.runs_moved == 2
+    run = Run.objects.get(id=first.run_id)
+    assert (run.state, run.result, run.failure_reason) == (RunState.SUCCEEDED, {"rows": 3}, "")
+    assert Run.objects.get(id=second.run_id).result is None  # SQL NULL, as the ORM stores it
+    assert Attempt.objects.get(id=first.id).state == AttemptState.SUCCEEDED
+    assert Attempt.objects.get(id=stale.id).state == AttemptState.RUNNING
+    assert Run.objects.get(id=stale.run_id).state == RunState.RUNNING
+    assert attempts_succeed(successes=[]).won == set()
+
+
+@pytest.mark.django_db
+def test_a_reserved_attempt_s_start_is_written_with_its_success(claimed):
+    attempt = claimed()
+    Attempt.objects.filter(id=attempt.id).update(started_at=None)
+    Run.objects.filter(id=attempt.run_id).update(started_at=None)
+
+    with transaction.atomic():
+        won = attempts_succeed(
+            successes=[success(attempt)._replace(started_at=later(3))]
+        ).won  # fmt: skip
+
+    assert won == {attempt.id}
+    assert Attempt.objects.get(id=attempt.id).started_at == later(3)
+    assert Run.objects.get(id=attempt.run_id).started_at == later(3)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_renewal_waiting_on_a_success_does_not_renew_the_attempt_it_ended(claimed):
+    """The renewal's condition is re-checked on the attempt row it waited for: once the
+    success commits, the attempt is no longer running and keeps its final state."""
+    attempt = claimed()
+    written = threading.Event()
+    commit = threading.Event()
+    results: dict[str, object] = {}
+
+    def succeed() -> None:
+        with transaction.atomic():
+            results["won"] = attempts_succeed(successes=[success(attempt)]).won
+            written.set()
+            commit.wait(10)
+
+    def renew() -> None:
+        results["renewed"] = attempts_renew_leases(
+            leases=[(attempt.id, attempt.fencing_token, 30.0)]
+        )
+
+    threads = [in_thread(succeed)]
+    assert written.wait(10)
+    threads.append(in_thread(renew))
+    wait_for_lock_waiters(1)
+    commit.set()
+    for thread in threads:
+        thread.join(10)
+
+    assert results == {"won": {attempt.id}, "renewed": set()}
+    attempt.refresh_from_db()
+    assert attempt.state == AttemptState.SUCCEEDED
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_bounded_lock_wait_gives_up_on_a_held_row(claimed):
+    attempt = claimed()
+    locked = threading.Event()
+    release = threading.Event()
+
+    def hold() -> None:
+        with transaction.atomic():
+            list(Run.objects.select_for_update().filter(id=attempt.run_id))
+            locked.set()
+            release.wait(10)
+
+    thread = in_thread(hold)
+    assert locked.wait(10)
+    try:
+        with pytest.raises(OperationalError, match="lock timeout"):
+            with transaction.atomic():
+                lock_timeout_set_local(seconds=0.2)
+                Run.objects.filter(id=attempt.run_id).update(republish_count=1)
+    finally:
+        release.set()
+        thread.join(10)
+    with transaction.atomic():  # the bound ended with its transaction
+        lock_timeout_set_local(seconds=0.2)
+        assert Run.objects.filter(id=attempt.run_id).update(republish_count=1) == 1
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_bounded_lock_wait_needs_a_transaction_block():
+    with pytest.raises(RuntimeError):
+        lock_timeout_set_local(seconds=1)

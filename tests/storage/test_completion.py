@@ -1,0 +1,137 @@
+"""storage.completion: job completion's one rule (`scheduler_job_complete_if_finished`),
+called by the trigger in the statement that ends a run and by the completer's safety net
+(`jobs_complete_if_finished`), against PostgreSQL, races included."""
+
+from __future__ import annotations
+
+import datetime as dt
+import threading
+import time
+
+import pytest
+from django.db import transaction
+
+from jobs.models import AuditEvent, Job, JobState, Run, RunState
+from storage.completion import jobs_complete_if_finished
+from tests.factories import PINNED_NOW, make_job
+from tests.threads import in_thread
+
+NOW = PINNED_NOW + dt.timedelta(minutes=5)
+
+
+def awaiting(user, name: str = "done") -> Job:
+    """A job whose schedule is over and that has no run (as a job past its end_at)."""
+    job = make_job(user, now=PINNED_NOW, name=name)
+    Job.objects.filter(id=job.id).update(next_run_at=None)
+    return job
+
+
+def completions(job: Job) -> int:
+    return AuditEvent.objects.filter(job=job, action="job.completed").count()
+
+
+@pytest.mark.django_db
+def test_a_finished_job_is_completed_once_with_its_audit_event(user):
+    first, second = awaiting(user, "first"), awaiting(user, "second")
+    assert jobs_complete_if_finished(job_ids=[second.id, first.id], now=NOW) == [
+        second.id,
+        first.id,
+    ]
+    job = Job.objects.get(id=first.id)
+    assert (job.state, job.updated_at) == (JobState.COMPLETED, NOW)
+    event = AuditEvent.objects.get(job=first, action="job.completed")
+    assert (event.actor_label, event.created_at, event.data) == ("system:scheduler", NOW, {})
+    # Completed: nothing left to do.
+    assert jobs_complete_if_finished(job_ids=[first.id], now=NOW) == []
+    assert completions(first) == 1
+    assert jobs_complete_if_finished(job_ids=[], now=NOW) == []
+
+
+@pytest.mark.django_db
+def test_a_job_still_scheduled_paused_deleted_or_running_is_not_completed(user, queued_run):
+    hourly = {"kind": "interval", "every_seconds": 3600}
+    scheduled = make_job(user, now=PINNED_NOW, name="hourly", schedule=hourly)
+    paused, deleted = awaiting(user, "paused"), awaiting(user, "deleted")
+    Job.objects.filter(id=paused.id).update(state=JobState.PAUSED)
+    Job.objects.filter(id=deleted.id).update(deleted_at=NOW)
+    running = queued_run().job  # its schedule is over, its run queued
+    ids = [scheduled.id, paused.id, deleted.id, running.id]
+    assert jobs_complete_if_finished(job_ids=ids, now=NOW) == []
+    assert not AuditEvent.objects.filter(action="job.completed").exists()
+    assert Job.objects.get(id=running.id).state == JobState.ACTIVE
+
+
+@pytest.mark.django_db
+def test_the_statement_that_ends_a_jobs_last_active_run_completes_it(queued_run):
+    run = queued_run()
+    job = run.job
+    Run.objects.filter(id=run.id).update(state=RunState.CANCELLED)  # the trigger's rule
+    assert Job.objects.get(id=job.id).state == JobState.COMPLETED
+    assert completions(job) == 1
+    # A run that was not active ending again changes nothing.
+    Run.objects.filter(id=run.id).update(state=RunState.SKIPPED)
+    assert completions(job) == 1
+
+
+@pytest.mark.django_db
+def test_a_run_ending_beside_another_active_run_leaves_the_job_to_that_one(queued_run, user):
+    from jobs.services import job_trigger
+
+    run = queued_run()
+    manual = job_trigger(job=run.job, actor=user, now=NOW)
+    Run.objects.filter(id=run.id).update(state=RunState.CANCELLED)
+    assert Job.objects.get(id=run.job_id).state == JobState.ACTIVE
+    Run.objects.filter(id=manual.id).update(state=RunState.FAILED)
+    assert Job.objects.get(id=run.job_id).state == JobState.COMPLETED
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_job_whose_row_another_transaction_holds_is_skipped_not_waited_for(user):
+    """SKIP LOCKED: a trigger or a backfill holding the job is about to add a run; the
+    safety net leaves the job to a later pass instead of waiting."""
+    job = awaiting(user)
+    holding, release, errors = threading.Event(), threading.Event(), []
+
+    def hold() -> None:
+        with transaction.atomic():
+            Job.objects.select_for_update().get(id=job.id)
+            holding.set()
+            release.wait(10)
+
+    holder = in_thread(hold, errors)
+    assert holding.wait(5)
+    started = time.monotonic()
+    with transaction.atomic():
+        assert jobs_complete_if_finished(job_ids=[job.id], now=NOW) == []
+    assert time.monotonic() - started < 2
+    release.set()
+    holder.join(10)
+    assert errors == []
+    assert jobs_complete_if_finished(job_ids=[job.id], now=NOW) == [job.id]
+    assert completions(job) == 1
+
+
+@pytest.mark.django_db(transaction=True)
+def test_two_completers_racing_on_one_job_complete_it_once(user):
+    """Two connections call the rule for the same job: the first takes the row and
+    completes it; the second, while the first has not committed, skips the row; after it
+    did, finds the job completed. One completion, one audit event."""
+    job = awaiting(user)
+    completed, commit, errors, results = threading.Event(), threading.Event(), [], {}
+
+    def first() -> None:
+        with transaction.atomic():
+            results["first"] = jobs_complete_if_finished(job_ids=[job.id], now=NOW)
+            completed.set()
+            commit.wait(10)
+
+    thread = in_thread(first, errors)
+    assert completed.wait(5)
+    with transaction.atomic():
+        results["second, meanwhile"] = jobs_complete_if_finished(job_ids=[job.id], now=NOW)
+    commit.set()
+    thread.join(10)
+    results["second, after"] = jobs_complete_if_finished(job_ids=[job.id], now=NOW)
+    assert errors == []
+    assert results == {"first": [job.id], "second, meanwhile": [], "second, after": []}
+    assert completions(job) == 1
