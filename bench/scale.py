@@ -435,7 +435,7 @@ class StepTimer:
 def iteration(*, database: str, serial: Serial, timer: StepTimer, args) -> dict:
     """One prepared and timed iteration (the module's docstring); seconds per step."""
     from dispatch.reaper import ReaperConfig, reaper_run_once
-    from dispatch.reconciler import ReconcileConfig, reconcile_run_once
+    from dispatch.reconciler import ReconcileConfig, ReconcileWindow, reconcile_run_once
     from dispatch.scheduler import SchedulerConfig, scheduler_next_due, scheduler_run_once
     from jobs.clock import db_now
 
@@ -461,7 +461,10 @@ def iteration(*, database: str, serial: Serial, timer: StepTimer, args) -> dict:
     now = db_now()
     with timer.step("reconciler"):
         reconciled = reconcile_run_once(
-            now=now, config=ReconcileConfig(), queue_depth=lambda _queue: args.backlog
+            now=now,
+            config=ReconcileConfig(),
+            queue_depth=lambda _queue: args.backlog,
+            window=ReconcileWindow(),  # a first pass's walk: from the oldest queued run
         )
     now = db_now()
     with timer.step("reaper"):

@@ -18,35 +18,23 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
-import json
 import uuid
 
-from django.db import connection, transaction
+from django.db import transaction
 from django.db.models import F, Window
 from django.db.models.functions import RowNumber
 
 from jobs import keys
 from jobs.audit import audit_event
 from jobs.lanes import lane_queue
-from jobs.models import (
-    AuditEvent,
-    Job,
-    JobState,
-    JobVersion,
-    OutboxMessage,
-    OutboxState,
-    Run,
-    RunKind,
-    RunState,
-)
+from jobs.models import AuditEvent, Run, RunKind, RunState
 from jobs.notify import CHANNEL_OUTBOX, notify
-from jobs.outbox import outbox_enqueue_runs
-from jobs.partitions import PartitionScope, in_held_partitions
+from jobs.partitions import PartitionScope
 from jobs.policies import misfire_plan, overlap_decision, run_jitter
 from jobs.schedules import ScheduleError, job_next_fire
 from jobs.services import job_pause, jobs_pause_if_failing, run_cancel_request
-from jobs.transitions import ACTIVE_RUN_STATES, jobs_advance
-from storage.rows import rows_insert
+from jobs.transitions import ACTIVE_RUN_STATES
+from storage.schedule import JobAdvance, ScheduledRun, jobs_due_claim, runs_write_scheduled
 
 from .config import config_require
 from .failpoints import failpoint
@@ -94,7 +82,7 @@ class NewRun:
 class MaterializerConfig:
     batch_size: int = 500  # due jobs claimed per transaction
     # Only the jobs of the partitions this replica holds (dispatch.partitions); None: every
-    # job (SQLite's single scheduler, and tests of one replica).
+    # job (tests of one replica).
     scope: PartitionScope | None = None
 
     def __post_init__(self) -> None:
@@ -127,27 +115,10 @@ def _due_occurrences(job: DueJob, now: dt.datetime) -> tuple[list[dt.datetime], 
 def _claim_due_jobs(
     *, now: dt.datetime, limit: int, scope: PartitionScope | None = None
 ) -> list[DueJob]:
-    """Up to `limit` due active jobs, each with its current version's spec, their rows
-    locked: one statement. Its inner query claims the jobs' ids through `job_due_idx`
-    (FOR UPDATE SKIP LOCKED), of the partitions `scope`'s holder holds at that statement
-    (its leases read once, on the database's clock: due jobs of other partitions are passed
-    over, so the cost grows with due work); the outer one reads them with their versions,
-    locking them again (already ours) so that it reads each job's latest row. Only ids are
-    sorted, so statistics that lag behind a burst cannot make it sort every due job's spec
-    on disk."""
-    due = Job.objects.filter(state=JobState.ACTIVE, next_run_at__lte=now)
-    if scope is not None:
-        due = due.filter(in_held_partitions(scope))
-    due = due.order_by("next_run_at").select_for_update(skip_locked=True).values("id")[:limit]
-    rows = (
-        Job.objects.select_for_update(of=("self",))
-        .filter(id__in=due, versions__version=F("version"))
-        .order_by()
-        .values_list(
-            "id", "state", "versions__id", "versions__spec",
-            "next_run_at", "created_at", "resumed_at", "owner_id",
-        )
-    )  # fmt: skip
+    """Up to `limit` due active jobs, their rows locked (storage.schedule.jobs_due_claim):
+    of the partitions `scope`'s holder holds at that statement, with a scope."""
+    holder, partitions = (scope.holder, scope.partitions) if scope is not None else (None, 0)
+    rows = jobs_due_claim(now=now, limit=limit, holder=holder, partitions=partitions)
     return [DueJob(*row) for row in rows]
 
 
@@ -209,12 +180,11 @@ def _materialize_due_jobs(
 
 def _existing_occurrences(plans: dict, jobs: list[DueJob]) -> set[tuple]:
     """(job id, occurrence) of the planned occurrences that already have their run (a
-    rewound next_run_at): they are only advanced past. On PostgreSQL the runs' INSERT
-    passes over them itself (ON CONFLICT DO NOTHING), so only the jobs whose overlap policy
-    must not count them as new runs are looked up."""
-    if connection.vendor == "postgresql":
-        ids = {job.id for job in jobs if job.spec.get("overlap", "allow") != "allow"}
-        plans = {job_id: plan for job_id, plan in plans.items() if job_id in ids}
+    rewound next_run_at): they are only advanced past. The runs' INSERT passes over them
+    itself (ON CONFLICT DO NOTHING), so only the jobs whose overlap policy must not count
+    them as new runs are looked up."""
+    ids = {job.id for job in jobs if job.spec.get("overlap", "allow") != "allow"}
+    plans = {job_id: plan for job_id, plan in plans.items() if job_id in ids}
     instants = {at for due, _ in plans.values() for at in due}
     if not instants:
         return set()
@@ -227,102 +197,28 @@ def _existing_occurrences(plans: dict, jobs: list[DueJob]) -> set[tuple]:
 
 def _runs_write(runs: list[NewRun], jobs: list[DueJob], now: dt.datetime) -> tuple[int, int]:
     """Write the new runs, the outbox rows of those queued and the jobs' advanced
-    next_run_at; (runs created to execute, runs created skipped). On PostgreSQL one
-    statement: the rows go as one JSON document unpacked server-side, an occurrence that
-    already has its scheduled run is passed over (any other unique violation is an error),
-    and the relays are woken at commit."""
-    if connection.vendor != "postgresql":
-        return _runs_write_portable(runs, jobs, now)
-    rows = [
-        {"position": position, "id": str(run.id), "job_id": str(run.job.id),
-         "job_version_id": run.job.version_id, "owner_id": run.job.owner_id,
-         "state": run.state,
-         "scheduled_for": run.scheduled_for.isoformat(), "due_at": run.due_at.isoformat(),
-         "idempotency_key": run.idempotency_key, "skip_reason": run.skip_reason,
-         "finished_at": run.finished_at.isoformat() if run.finished_at else None,
-         "task_name": run.job.spec["task"],
-         "queue": lane_queue(run.job.spec["queue"], RunKind.SCHEDULED),
-         "priority": run.job.spec["priority"],
-         "timeout_seconds": run.job.spec.get("timeout_seconds")}
-        for position, run in enumerate(runs)
-    ]  # fmt: skip
-    with connection.cursor() as cursor:
-        cursor.execute(
-            f"""
-            WITH planned AS MATERIALIZED (
-                SELECT * FROM jsonb_to_recordset(%(rows)s::jsonb) AS planned(
-                    position int, id uuid, job_id uuid, job_version_id bigint,
-                    owner_id bigint, state text,
-                    scheduled_for timestamptz, due_at timestamptz, idempotency_key text,
-                    skip_reason text, finished_at timestamptz, task_name text, queue text,
-                    priority int, timeout_seconds int)
-            ), created AS (
-                INSERT INTO {Run._meta.db_table}
-                       (id, job_id, job_version_id, kind, state, scheduled_for,
-                        idempotency_key, fencing_token, attempt_count, failure_reason,
-                        skip_reason, due_at, created_at, finished_at, updated_at,
-                        duplicate_deliveries, retry_base, republish_count)
-                SELECT id, job_id, job_version_id, %(kind)s, state, scheduled_for,
-                       idempotency_key, 0, 0, '', skip_reason, due_at, %(now)s, finished_at,
-                       %(now)s, 0, 0, 0
-                  FROM planned
-                ON CONFLICT (job_id, scheduled_for) WHERE kind = %(kind)s DO NOTHING
-                RETURNING id, state
-            ), outboxed AS (
-                INSERT INTO {OutboxMessage._meta.db_table}
-                       (run_id, owner_id, message_id, task_name, queue, priority,
-                        timeout_seconds, state, created_at, publish_tries, last_error)
-                SELECT planned.id, owner_id, gen_random_uuid(), task_name, queue, priority,
-                       timeout_seconds, %(pending)s, %(now)s, 0, ''
-                  FROM created JOIN planned USING (id)
-                 WHERE created.state = %(queued)s
-                 ORDER BY planned.position  -- the relay publishes in id order: oldest first
-                RETURNING 1
-            ), advanced AS (
-                UPDATE {Job._meta.db_table} AS job
-                   SET next_run_at = advanced.next_run_at
-                  FROM unnest(%(job_ids)s::uuid[], %(next_run_at)s::timestamptz[])
-                       AS advanced (id, next_run_at)
-                 WHERE job.id = advanced.id
-                RETURNING 1
+    next_run_at in one statement (storage.schedule.runs_write_scheduled); (runs created to
+    execute, runs created skipped). The relays are woken at commit."""
+    written = runs_write_scheduled(
+        runs=[
+            ScheduledRun(
+                id=run.id, job_id=run.job.id, job_version_id=run.job.version_id,
+                owner_id=run.job.owner_id, state=run.state, scheduled_for=run.scheduled_for,
+                due_at=run.due_at, idempotency_key=run.idempotency_key,
+                skip_reason=run.skip_reason, finished_at=run.finished_at,
+                task_name=run.job.spec["task"],
+                queue=lane_queue(run.job.spec["queue"], RunKind.SCHEDULED),
+                priority=run.job.spec["priority"],
+                timeout_seconds=run.job.spec.get("timeout_seconds"),
             )
-            SELECT (SELECT count(*) FROM created WHERE state <> %(skipped)s),
-                   (SELECT count(*) FROM created WHERE state = %(skipped)s),
-                   (SELECT count(*) FROM outboxed),
-                   (SELECT count(*) FROM advanced)
-            """,
-            {
-                "rows": json.dumps(rows), "kind": RunKind.SCHEDULED, "now": now,
-                "pending": OutboxState.PENDING, "queued": RunState.QUEUED,
-                "skipped": RunState.SKIPPED, "job_ids": [job.id for job in jobs],
-                "next_run_at": [job.next_run_at for job in jobs],
-            },
-        )  # fmt: skip
-        created, skipped, outboxed, _advanced = cursor.fetchone()
-    if outboxed:
+            for run in runs
+        ],
+        jobs=[JobAdvance(job_id=job.id, next_run_at=job.next_run_at) for job in jobs],
+        now=now,
+    )  # fmt: skip
+    if written.outboxed:
         notify(CHANNEL_OUTBOX)
-    return created, skipped
-
-
-def _runs_write_portable(
-    runs: list[NewRun], jobs: list[DueJob], now: dt.datetime
-) -> tuple[int, int]:
-    """_runs_write through the ORM (SQLite): the same rows, in three statements."""
-    rows = [
-        Run(
-            id=run.id, job_id=run.job.id,
-            job_version=JobVersion(id=run.job.version_id, spec=run.job.spec),
-            kind=RunKind.SCHEDULED, state=run.state, scheduled_for=run.scheduled_for,
-            due_at=run.due_at, created_at=now, idempotency_key=run.idempotency_key,
-            skip_reason=run.skip_reason, finished_at=run.finished_at,
-        )
-        for run in runs
-    ]  # fmt: skip
-    rows_insert(groups=[rows])
-    outbox_enqueue_runs(runs=[run for run in rows if run.state == RunState.QUEUED], now=now)
-    jobs_advance(jobs=[Job(id=job.id, next_run_at=job.next_run_at) for job in jobs])
-    skipped = sum(run.state == RunState.SKIPPED for run in runs)
-    return len(runs) - skipped, skipped
+    return written.created, written.skipped
 
 
 def _overlap_runs(jobs: list[DueJob]) -> dict:

@@ -30,8 +30,7 @@ partitions are taken over as its leases expire: within one lease period of its l
 renewal. On SIGTERM `partitions_release` deletes the replica's leases and membership and
 notifies, so the others take them over within milliseconds.
 
-PostgreSQL only: on SQLite (the embedded defaults, one scheduler) the scheduler dispatches
-every partition and runs no lease keeping.
+Every statement is an operation of storage.partitions.
 """
 
 from __future__ import annotations
@@ -47,16 +46,29 @@ import socket
 from django.db import DatabaseError, connection, transaction
 
 from jobs.clock import db_now
-from jobs.models import PartitionLease, SchedulerReplica
 from jobs.notify import CHANNEL_PARTITIONS, CHANNEL_SCHEDULE, notify
 from jobs.partitions import PartitionScope
+from storage.partitions import (
+    Session,
+    leases_acquire_free,
+    leases_by_holder,
+    leases_hand_over,
+    leases_release,
+    leases_renew,
+    leases_step_down,
+    leases_take_over_expired,
+    replica_delete,
+    replica_membership_renew,
+    replica_session_record,
+    replica_sessions_terminate,
+    replicas_prune_and_list,
+    session_current,
+)
 
 from .config import config_require
 from .wakeup import Listener
 
 log = logging.getLogger("dispatch.partitions")
-LEASE = PartitionLease._meta.db_table
-REPLICA = SchedulerReplica._meta.db_table
 # Woken at another replica's expiry, a pass waits this much past it: at the very instant
 # the lease is not yet expired (`expires_at < now` takes it over).
 TAKEOVER_MARGIN_SECONDS = 0.05
@@ -110,64 +122,40 @@ class PartitionsResult:
 
 
 def partitions_run_once(
-    *, now: dt.datetime, config: PartitionsConfig, session: tuple | None = None
+    *, now: dt.datetime, config: PartitionsConfig, session: Session | None = None
 ) -> PartitionsResult:
-    """One pass; `session`: (pid, backend_start) of this replica's scheduler loop's
-    database session, recorded with its membership."""
+    """One pass; `session`: the scheduler loop's database session (pid, backend_start),
+    recorded with this replica's membership."""
     until = now + dt.timedelta(seconds=config.lease_seconds)
     me, count = config.holder, config.partitions
-    with connection.cursor() as cursor:
-        joined = _membership_renew(cursor, me=me, now=now, until=until, session=session)
-        cursor.execute(
-            f"""
-            WITH gone AS (DELETE FROM {REPLICA} WHERE expires_at < %(stale)s)
-            SELECT holder, expires_at FROM {REPLICA}
-            """,
-            {"stale": now - dt.timedelta(seconds=config.lease_seconds)},
+    joined = replica_membership_renew(holder=me, now=now, until=until, session=session)
+    members = replicas_prune_and_list(stale_before=now - dt.timedelta(seconds=config.lease_seconds))
+    replicas = {holder: at for holder, at in members.items() if at >= now} | {me: until}
+    gone = [holder for holder, at in members.items() if at < now]
+    share = math.ceil(count / len(replicas))
+    held = leases_renew(holder=me, now=now, until=until, partitions=count)
+    renewed = len(held)
+    # After the renewal: a refusal to end a session never costs this replica its leases.
+    sessions_ended = _sessions_end(holders=gone, now=now) if gone else 0
+    stepped_down = leases_step_down(holder=me, now=now, partitions=count)
+    leases = leases_by_holder(now=now, partitions=count)
+    handed_over = 0
+    if len(held) > share:
+        handed = _hand_over(
+            config=config, held=held, share=share, now=now, until=until,
+            recipients=_recipients(config, replicas, leases, share, now),
         )  # fmt: skip
-        members = dict(cursor.fetchall())
-        replicas = {holder: at for holder, at in members.items() if at >= now} | {me: until}
-        gone = [holder for holder, at in members.items() if at < now]
-        share = math.ceil(count / len(replicas))
-        cursor.execute(
-            f"""UPDATE {LEASE} SET expires_at = %(until)s
-                 WHERE holder = %(me)s AND expires_at >= %(now)s AND partition < %(count)s
-                RETURNING partition""",
-            {"until": until, "me": me, "now": now, "count": count},
-        )
-        held = {row[0] for row in cursor.fetchall()}
-        renewed = len(held)
-        # After the renewal: a refusal to end a session never costs this replica its leases.
-        sessions_ended = _sessions_end(cursor, holders=gone, now=now) if gone else 0
-        cursor.execute(
-            f"""DELETE FROM {LEASE}
-                 WHERE holder = %(me)s AND (expires_at < %(now)s OR partition >= %(count)s)""",
-            {"me": me, "now": now, "count": count},
-        )
-        stepped_down = cursor.rowcount
-        cursor.execute(
-            f"""SELECT holder, count(*), min(expires_at) FROM {LEASE}
-                 WHERE expires_at >= %(now)s AND partition < %(count)s GROUP BY holder""",
-            {"now": now, "count": count},
-        )
-        leases = {holder: (n, earliest) for holder, n, earliest in cursor.fetchall()}
-        handed_over = 0
-        if len(held) > share:
-            handed = _hand_over(
-                cursor, config=config, held=held, share=share, now=now, until=until,
-                recipients=_recipients(config, replicas, leases, share, now),
-            )  # fmt: skip
-            held -= handed
-            handed_over = len(handed)
-        acquired = set()
-        for _ in range(ACQUIRE_ROUNDS):
-            if len(held) + len(acquired) >= share:
-                break
-            gained = _acquire(cursor, config=config, want=share - len(held) - len(acquired),
-                              now=now, until=until)  # fmt: skip
-            if not gained:
-                break
-            acquired |= gained
+        held -= handed
+        handed_over = len(handed)
+    acquired = set()
+    for _ in range(ACQUIRE_ROUNDS):
+        if len(held) + len(acquired) >= share:
+            break
+        gained = _acquire(config=config, want=share - len(held) - len(acquired),
+                          now=now, until=until)  # fmt: skip
+        if not gained:
+            break
+        acquired |= gained
     if joined:
         notify(CHANNEL_PARTITIONS)  # the others hand over to it now, not at their renewal
     if acquired or handed_over:
@@ -180,7 +168,7 @@ def partitions_run_once(
             handed_over, stepped_down,
         )  # fmt: skip
     foreign = [at for holder, at in replicas.items() if holder != me]
-    foreign += [earliest for holder, (_, earliest) in leases.items() if holder != me]
+    foreign += [lease.earliest_expiry for holder, lease in leases.items() if holder != me]
     return PartitionsResult(
         held=len(held) + len(acquired),
         replicas=len(replicas),
@@ -195,31 +183,7 @@ def partitions_run_once(
     )
 
 
-def _membership_renew(
-    cursor, *, me: str, now: dt.datetime, until: dt.datetime, session: tuple | None
-) -> bool:
-    """Insert or renew this replica's membership; True when it joins (no row before, or
-    one that had expired: the others counted it gone)."""
-    pid, started_at = session or (None, None)
-    cursor.execute(
-        f"""
-        WITH before AS (SELECT expires_at FROM {REPLICA} WHERE holder = %(me)s)
-        INSERT INTO {REPLICA} (holder, expires_at, joined_at, session_pid, session_started_at)
-        VALUES (%(me)s, %(until)s, %(now)s, %(pid)s, %(started_at)s)
-        ON CONFLICT (holder) DO UPDATE
-           SET expires_at = EXCLUDED.expires_at,
-               -- the scheduler thread records each new session itself, at once
-               session_pid = coalesce({REPLICA}.session_pid, EXCLUDED.session_pid),
-               session_started_at = coalesce({REPLICA}.session_started_at,
-                                             EXCLUDED.session_started_at)
-        RETURNING (SELECT coalesce(bool_and(expires_at < %(now)s), true) FROM before)
-        """,
-        {"me": me, "until": until, "now": now, "pid": pid, "started_at": started_at},
-    )  # fmt: skip
-    return cursor.fetchone()[0]
-
-
-def _sessions_end(cursor, *, holders: list[str], now: dt.datetime) -> int:
+def _sessions_end(*, holders: list[str], now: dt.datetime) -> int:
     """End the scheduler sessions of replicas whose membership expired (their leases
     expire with it, and move), if still inside a transaction: a replica frozen (SIGSTOP)
     in the middle of a pass keeps the job rows it claimed locked, and every other
@@ -230,7 +194,7 @@ def _sessions_end(cursor, *, holders: list[str], now: dt.datetime) -> int:
     Needs the same database role for every scheduler (or pg_signal_backend)."""
     try:
         with transaction.atomic():
-            ended = _sessions_terminate(cursor, holders=holders, now=now)
+            ended = replica_sessions_terminate(holders=holders, now=now)
     except DatabaseError as exc:
         # Another database role without pg_signal_backend: the frozen replica's locked jobs
         # then wait until its session ends by itself (docs/architecture.md, "Partitions").
@@ -241,22 +205,6 @@ def _sessions_end(cursor, *, holders: list[str], now: dt.datetime) -> int:
     return ended
 
 
-def _sessions_terminate(cursor, *, holders: list[str], now: dt.datetime) -> int:
-    cursor.execute(
-        f"""
-        SELECT count(*) FILTER (WHERE pg_terminate_backend(activity.pid))
-          FROM {REPLICA} AS replica
-          JOIN pg_stat_activity AS activity
-            ON activity.pid = replica.session_pid
-           AND activity.backend_start = replica.session_started_at
-         WHERE replica.holder = ANY(%(holders)s) AND replica.expires_at < %(now)s
-           AND activity.xact_start IS NOT NULL
-        """,
-        {"holders": holders, "now": now},
-    )  # fmt: skip
-    return cursor.fetchone()[0]
-
-
 def _recipients(
     config: PartitionsConfig, replicas: dict, leases: dict, share: int, now: dt.datetime
 ) -> list[tuple[str, int]]:
@@ -265,7 +213,7 @@ def _recipients(
     since would sit on what it is given until its leases expire."""
     fresh = now + dt.timedelta(seconds=config.lease_seconds / 2)
     lacking = [
-        (holder, share - leases.get(holder, (0, None))[0])
+        (holder, share - (leases[holder].count if holder in leases else 0))
         for holder, expires_at in replicas.items()
         if holder != config.holder and expires_at > fresh
     ]
@@ -275,7 +223,6 @@ def _recipients(
 
 
 def _hand_over(
-    cursor,
     *,
     config: PartitionsConfig,
     held: set[int],
@@ -294,62 +241,29 @@ def _hand_over(
         batch, surplus = surplus[:lack], surplus[lack:]
         if not batch:
             break
-        cursor.execute(
-            f"""UPDATE {LEASE} SET holder = %(to)s, expires_at = %(until)s, acquired_at = %(now)s
-                 WHERE partition = ANY(%(batch)s) AND holder = %(me)s AND expires_at >= %(now)s
-                RETURNING partition""",
-            {"to": holder, "until": until, "now": now, "batch": batch, "me": config.holder},
+        given |= leases_hand_over(
+            partitions=batch, from_holder=config.holder, to_holder=holder, now=now, until=until
         )
-        given |= {row[0] for row in cursor.fetchall()}
     return given
 
 
 def _acquire(
-    cursor, *, config: PartitionsConfig, want: int, now: dt.datetime, until: dt.datetime
+    *, config: PartitionsConfig, want: int, now: dt.datetime, until: dt.datetime
 ) -> set[int]:
     """Up to `want` partitions: free ones first (no lease row), then expired ones taken
-    over. Chosen at random, so replicas acquiring together mostly take different ones;
-    inserted in partition order, so two inserts that meet wait on each other in one
-    direction only (in random order they deadlocked)."""
-    values = {"me": config.holder, "until": until, "now": now, "count": config.partitions}
-    cursor.execute(
-        f"""
-        INSERT INTO {LEASE} (partition, holder, expires_at, acquired_at)
-        SELECT free, %(me)s, %(until)s, %(now)s
-          FROM (SELECT free FROM generate_series(0, %(count)s - 1) AS free
-                 WHERE NOT EXISTS (SELECT 1 FROM {LEASE} WHERE partition = free)
-                 ORDER BY random() LIMIT %(want)s) AS chosen
-         ORDER BY free
-        ON CONFLICT (partition) DO NOTHING
-        RETURNING partition
-        """,
-        {**values, "want": want},
-    )  # fmt: skip
-    gained = {row[0] for row in cursor.fetchall()}
+    over, each chosen at random (storage.partitions)."""
+    lease = {"holder": config.holder, "now": now, "until": until, "partitions": config.partitions}
+    gained = leases_acquire_free(want=want, **lease)
     if len(gained) < want:
-        cursor.execute(
-            f"""
-            UPDATE {LEASE} SET holder = %(me)s, expires_at = %(until)s, acquired_at = %(now)s
-             WHERE partition IN (SELECT partition FROM {LEASE}
-                                  WHERE expires_at < %(now)s AND partition < %(count)s
-                                  ORDER BY random() LIMIT %(want)s
-                                  FOR UPDATE SKIP LOCKED)
-               AND expires_at < %(now)s
-            RETURNING partition
-            """,
-            {**values, "want": want - len(gained)},
-        )  # fmt: skip
-        gained |= {row[0] for row in cursor.fetchall()}
+        gained |= leases_take_over_expired(want=want - len(gained), **lease)
     return gained
 
 
 def partitions_release(*, holder: str) -> int:
     """Give up every lease and the membership of `holder` (a replica stopping on SIGTERM),
     waking the others to take them over at once; returns the leases released."""
-    with connection.cursor() as cursor:
-        cursor.execute(f"DELETE FROM {LEASE} WHERE holder = %s", [holder])
-        released = cursor.rowcount
-        cursor.execute(f"DELETE FROM {REPLICA} WHERE holder = %s", [holder])
+    released = leases_release(holder=holder)
+    replica_delete(holder=holder)
     notify(CHANNEL_PARTITIONS)
     return released
 
@@ -363,31 +277,16 @@ class PartitionKeeper:
     def __init__(self, config: PartitionsConfig, listener: Listener) -> None:
         self.config = config
         self.listener = listener
-        # (pid, backend_start) of the scheduler loop's current database session.
-        self.session: tuple | None = None
+        # The scheduler loop's current database session.
+        self.session: Session | None = None
 
-    def scheduler_session_opened(self, connection) -> None:
+    def scheduler_session_opened(self) -> None:
         """Called on the scheduler loop's thread as it opens a database session (every
         CONN_MAX_AGE): recorded with the membership at once, before the session's first
         transaction (see _sessions_end), and by the passes when they insert it again."""
-        with connection.cursor() as cursor:
-            cursor.execute(
-                f"""
-                UPDATE {REPLICA}
-                   SET session_pid = activity.pid, session_started_at = activity.backend_start
-                  FROM pg_stat_activity AS activity
-                 WHERE activity.pid = pg_backend_pid() AND holder = %s
-                RETURNING activity.pid, activity.backend_start
-                """,
-                [self.config.holder],
-            )  # fmt: skip
-            row = cursor.fetchone()
-            if row is None:  # no membership yet: the next pass inserts it with this session
-                cursor.execute(
-                    "SELECT pid, backend_start FROM pg_stat_activity WHERE pid = pg_backend_pid()"
-                )
-                row = cursor.fetchone()
-            self.session = tuple(row)
+        session = replica_session_record(holder=self.config.holder)
+        # No membership yet: the next pass inserts it with this session.
+        self.session = session if session is not None else session_current()
 
     def run_once(self, *, now: dt.datetime, config: PartitionsConfig) -> PartitionsResult:
         return partitions_run_once(now=now, config=config, session=self.session)

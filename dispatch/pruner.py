@@ -1,8 +1,8 @@
 """The pruner: deletes what has outlived its retention, in bounded batches per call.
 
 - Finished runs with their attempts, outbox rows, effects, audit events and run logs,
-  `SCHEDULER_RUN_RETENTION_DAYS` after they finished (`jobs.retention`: never a run that is
-  not terminal, nor the newest runs a job's policies need); up to `run_batches` batches of
+  `SCHEDULER_RUN_RETENTION_DAYS` after they finished (`storage.retention`: never a run
+  that is not terminal, nor the newest runs a job's policies need); up to `run_batches` batches of
   `run_batch_size` runs, each in its own transaction, found through run_finished_idx.
 - Idempotency keys older than `jobs.idempotency.IDEMPOTENCY_RETENTION` (24 h).
 - Run logs (chunks, their stored content, manifests) of attempts finished more than
@@ -23,9 +23,10 @@ from django.conf import settings
 from django.db import transaction
 
 from jobs.idempotency import idempotency_prune
-from jobs.retention import runs_delete, runs_expired_claim
+from jobs.retention import runs_delete
 from logs_app.retention import logs_prune, run_logs_delete
 from logs_app.store import stored_content_delete
+from storage.retention import runs_expired_claim
 
 from .config import config_require
 
@@ -86,7 +87,7 @@ def _prune_runs(*, now: dt.datetime, config: PrunerConfig) -> tuple[int, int, bo
     runs = rows = 0
     for _ in range(config.run_batches):
         with transaction.atomic():
-            ids = runs_expired_claim(now=now, retention=retention, limit=config.run_batch_size)
+            ids = runs_expired_claim(cutoff=now - retention, limit=config.run_batch_size)
             log_rows, stored = run_logs_delete(run_ids=ids)
             rows += log_rows + runs_delete(run_ids=ids)
         stored_content_delete(stored)  # after the commit: a rollback keeps the content

@@ -29,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import datetime as dt
 import logging
+import uuid
 from collections.abc import Callable
 
 from django.db import transaction
@@ -103,6 +104,16 @@ class ReconcileConfig:
         )
 
 
+@dataclasses.dataclass
+class ReconcileWindow:
+    """Where the previous pass's walk over the queued runs ended: (updated_at, id) of the
+    last run it examined, None before the first pass. Owned by the reconciliation loop (one
+    per loop: each replica walks the queued runs in turn from its own), created where the
+    loop is built and passed to every `reconcile_run_once`, which moves it on."""
+
+    end: tuple[dt.datetime, uuid.UUID] | None = None
+
+
 @dataclasses.dataclass(frozen=True)
 class ReconcileResult:
     republished: int = 0
@@ -114,10 +125,10 @@ class ReconcileResult:
 
 
 def reconcile_run_once(
-    *, now: dt.datetime, config: ReconcileConfig, queue_depth: QueueDepth
+    *, now: dt.datetime, config: ReconcileConfig, queue_depth: QueueDepth, window: ReconcileWindow
 ) -> ReconcileResult:
     republished, undeliverable = _republish_lost_messages(
-        now=now, config=config, queue_depth=queue_depth
+        now=now, config=config, queue_depth=queue_depth, window=window
     )
     with transaction.atomic():
         orphans = _repair_orphaned_running(now=now, config=config)
@@ -136,7 +147,7 @@ def _record(run: Run, *, action: str, kind: str, data: dict) -> None:
     counter_increment("scheduler_reconcile_repairs_total", labels=f'kind="{kind}"')
 
 
-def _published_long_ago(*, now: dt.datetime, config: ReconcileConfig):
+def _published_long_ago(*, now: dt.datetime, config: ReconcileConfig, window: ReconcileWindow):
     """Queued runs whose message was published (no outbox row is left pending) and that have
     waited out their back-off since: the runs that may be lost, with their queue.
 
@@ -150,44 +161,40 @@ def _published_long_ago(*, now: dt.datetime, config: ReconcileConfig):
     for count in range(BACKOFF_STEPS):
         backed_off |= Q(republish_count=count, updated_at__lt=now - wait * 2**count)
     return (
-        Run.objects.filter(id__in=_window(now=now, config=config))
+        Run.objects.filter(id__in=_window(now=now, config=config, window=window))
         .filter(backed_off)
         .filter(~Exists(OutboxMessage.objects.filter(run=OuterRef("pk"))))
         .annotate(message_queue=run_lane_queue())
     )
 
 
-# Where this process's previous window ended: (updated_at, id) of its last run. Each
-# replica walks the queued runs in turn from there (the reconciler is one thread a process).
-_window_end: list[tuple[dt.datetime, object]] = []
-
-
-def _window(*, now: dt.datetime, config: ReconcileConfig) -> list:
+def _window(*, now: dt.datetime, config: ReconcileConfig, window: ReconcileWindow) -> list:
     """The ids of up to `scan_size` runs queued before the cutoff, read from run_queued_idx
     alone: the oldest tenth (a lost run is never republished by anyone else, so it stays
     among the oldest: looked at again every pass, once evidence of its loss exists), and
-    the rest in (updated_at, id) order from where this process's previous walk ended,
+    the rest in (updated_at, id) order from where the loop's previous walk ended (`window`),
     wrapping round to the oldest at the cutoff (module docstring), ties on `updated_at`
     (runs made by one statement) included, at a bounded cost each."""
     cutoff = now - dt.timedelta(seconds=config.queued_after_seconds)
     queued = Run.objects.filter(state=RunState.QUEUED, updated_at__lt=cutoff)
     ordered = queued.order_by("updated_at", "id").values_list("updated_at", "id")
-    window = list(ordered[: max(1, config.scan_size // 10)])
-    seen = {run_id for _, run_id in window}
+    oldest = list(ordered[: max(1, config.scan_size // 10)])
+    seen = {run_id for _, run_id in oldest}
     walk = []
-    if _window_end:
-        at, run_id = _window_end[0]
+    if window.end is not None:
+        at, run_id = window.end
         after = Q(updated_at__gt=at) | Q(updated_at=at, id__gt=run_id)
         walk = list(ordered.filter(updated_at__gte=at).filter(after)[: config.scan_size])
-        walk = [row for row in walk if row[1] not in seen][: config.scan_size - len(window)]
-    if len(window) + len(walk) < config.scan_size:  # the walk reached the cutoff: wrap round
+        walk = [row for row in walk if row[1] not in seen][: config.scan_size - len(oldest)]
+    if len(oldest) + len(walk) < config.scan_size:  # the walk reached the cutoff: wrap round
         seen |= {run_id for _, run_id in walk}
         rest = ordered[: config.scan_size]
         walk += [row for row in rest if row[1] not in seen][
-            : config.scan_size - len(window) - len(walk)
+            : config.scan_size - len(oldest) - len(walk)
         ]
-    _window_end[:] = walk[-1:] or window[-1:]
-    return [run_id for _, run_id in window + walk]
+    last = walk[-1:] or oldest[-1:]
+    window.end = last[0] if last else None
+    return [run_id for _, run_id in oldest + walk]
 
 
 def _latest_claimed_creations(queues: list[str]) -> dict[str, dt.datetime]:
@@ -210,7 +217,7 @@ def _latest_claimed_creations(queues: list[str]) -> dict[str, dt.datetime]:
 
 
 def _republish_lost_messages(
-    *, now: dt.datetime, config: ReconcileConfig, queue_depth: QueueDepth
+    *, now: dt.datetime, config: ReconcileConfig, queue_depth: QueueDepth, window: ReconcileWindow
 ) -> tuple[int, int]:
     """A published, unclaimed run is lost when its queue holds no ready message (it cannot
     be waiting in line), or when a worker claimed from its queue a run created more than
@@ -221,7 +228,7 @@ def _republish_lost_messages(
     are claimed first. The evidence is gathered outside any transaction (the broker's queue depths
     are network calls); the repair rechecks everything under the row lock."""
     wait = dt.timedelta(seconds=config.queued_after_seconds)
-    candidates = _published_long_ago(now=now, config=config)
+    candidates = _published_long_ago(now=now, config=config, window=window)
     # Asked per queue first, so that a backlog on one queue never starves the others.
     queues = sorted(
         candidates.order_by().values_list("message_queue", flat=True).distinct()[:MAX_QUEUES]

@@ -45,7 +45,7 @@ class SchedulerConfig:
     batch_size: int = 500  # due jobs (and due retries) claimed per transaction
     poll_interval: float = 1.0  # longest sleep: picks up jobs created while sleeping
     # Only the due work of the partitions this replica holds (dispatch.partitions); None:
-    # all of it (SQLite's single scheduler, tests of one replica).
+    # all of it (tests of one replica).
     scope: PartitionScope | None = None
 
     def __post_init__(self) -> None:

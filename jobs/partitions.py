@@ -16,6 +16,8 @@ from django.db.models import BooleanField, Expression, F, Func, IntegerField, Su
 from django.db.models.functions import Now
 from django.db.models.lookups import In
 
+from storage.partitions import in_held_partitions_sql, job_partition_sql
+
 from .models import PartitionLease
 
 
@@ -42,8 +44,8 @@ def job_partition(job_id: uuid.UUID, partitions: int) -> int:
 
 
 class JobPartition(Func):
-    """The partition of a job id column, in SQL (PostgreSQL): its last 8 hex digits as an
-    unsigned 32-bit number, modulo the partition count."""
+    """The partition of a job id column, in a query (storage.partitions.job_partition_sql):
+    its last 8 hex digits as an unsigned 32-bit number, modulo the partition count."""
 
     output_field = IntegerField()
 
@@ -53,10 +55,7 @@ class JobPartition(Func):
 
     def as_sql(self, compiler, connection, **extra_context):
         sql, params = compiler.compile(self.get_source_expressions()[0])
-        return f"(('x' || right(({sql})::text, 8))::bit(32)::bigint %% %s)", (
-            *params,
-            self.partitions,
-        )
+        return job_partition_sql(sql), (*params, self.partitions)
 
 
 def partitions_held(scope: PartitionScope) -> list[int]:
@@ -74,11 +73,8 @@ def in_partitions(partitions: list[int], scope: PartitionScope, job_id: str = "i
 
 
 class _InHeldPartitions(Func):
-    """`partition = ANY(ARRAY(SELECT ... held leases))`: the leases are read once per
-    statement (an InitPlan), and the due-job index is still walked in due order under the
-    LIMIT (an IN (subquery) became a join, then a sort of every due job of the partitions
-    held: the whole backlog sorted at every pass after an outage). The uncorrelated EXISTS
-    is a one-time filter: a replica holding nothing does not walk the index at all."""
+    """A partition among those of a subquery of held leases, read once per statement
+    (storage.partitions.in_held_partitions_sql says why in that shape)."""
 
     conditional = True
     output_field = BooleanField()
@@ -88,7 +84,7 @@ class _InHeldPartitions(Func):
         partition_sql, partition_params = compiler.compile(partition)
         held_sql, held_params = compiler.compile(held)
         return (
-            f"({partition_sql} = ANY(ARRAY{held_sql}) AND EXISTS{held_sql})",
+            in_held_partitions_sql(partition_sql, held_sql),
             (*partition_params, *held_params, *held_params),
         )
 

@@ -59,26 +59,52 @@ QUOTA_STATES = (JobState.ACTIVE, JobState.PAUSED)
 # of the owner's jobs; near it, every create counts exactly.
 QUOTA_RECOUNT_SECONDS = 1.0
 QUOTA_RECOUNT_SHARE = 0.9
-_quota_counts: dict[tuple, tuple[int, float]] = {}  # (owner, limit) -> (count, counted at)
 
 
-def job_quota_check(*, owner: AbstractBaseUser, adding: int) -> None:
+class QuotaCounts:
+    """A process's recent counts of owners' jobs, for job_quota_check: an owner far below
+    the limit is counted again only every QUOTA_RECOUNT_SECONDS. Bounded (cleared past
+    10,000 owners: a count is only an optimization). One per web process (`QUOTA_COUNTS`);
+    a test makes its own."""
+
+    def __init__(self) -> None:
+        self.counts: dict[tuple, tuple[int, float]] = {}  # (owner, limit) -> (count, at)
+
+    def reuse(self, *, key: tuple, adding: int, limit: int, now: float) -> bool:
+        """Whether the count taken less than a second ago, with `adding` more, is still far
+        below the limit (it is then kept with them)."""
+        counted = self.counts.get(key)
+        if (
+            counted is None
+            or now - counted[1] >= QUOTA_RECOUNT_SECONDS
+            or counted[0] + adding > limit * QUOTA_RECOUNT_SHARE
+        ):
+            return False
+        self.counts[key] = (counted[0] + adding, counted[1])
+        return True
+
+    def record(self, *, key: tuple, count: int, now: float) -> None:
+        if len(self.counts) > 10_000:
+            self.counts.clear()
+        self.counts[key] = (count, now)
+
+
+QUOTA_COUNTS = QuotaCounts()
+
+
+def job_quota_check(
+    *, owner: AbstractBaseUser, adding: int, counts: QuotaCounts = QUOTA_COUNTS
+) -> None:
     """JobQuotaExceeded unless the owner's active and paused jobs, with `adding` more, stay
     within SCHEDULER_OWNER_MAX_JOBS. The count stops at the limit (a bounded scan of the
-    owner's jobs) and is reused by its process for a second while far below it: the limit
+    owner's jobs) and is reused from `counts` for a second while far below it: the limit
     may be overshot by what the owner's other requests create meanwhile (concurrent ones, as
     with any count-then-insert, and those other web processes admit within that second)."""
     limit = settings.SCHEDULER_OWNER_MAX_JOBS
     if not adding:
         return
     key, now = (owner.pk, limit), time.monotonic()
-    counted = _quota_counts.get(key)
-    if (
-        counted is not None
-        and now - counted[1] < QUOTA_RECOUNT_SECONDS
-        and counted[0] + adding <= limit * QUOTA_RECOUNT_SHARE
-    ):
-        _quota_counts[key] = (counted[0] + adding, counted[1])
+    if counts.reuse(key=key, adding=adding, limit=limit, now=now):
         return
     held = Job.objects.filter(owner=owner, deleted_at=None, state__in=QUOTA_STATES)
     held = held.order_by().values("id")[:limit].count()
@@ -87,9 +113,7 @@ def job_quota_check(*, owner: AbstractBaseUser, adding: int) -> None:
             f"The owner holds {held} active or paused jobs; {adding} more would pass the limit "
             f"of {limit} (SCHEDULER_OWNER_MAX_JOBS). Delete or cancel jobs first."
         )
-    if len(_quota_counts) > 10_000:
-        _quota_counts.clear()  # bounded: a count is only an optimization
-    _quota_counts[key] = (held + adding, now)
+    counts.record(key=key, count=held + adding, now=now)
 
 
 def job_create_bulk(

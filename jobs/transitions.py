@@ -17,7 +17,6 @@ from django.db.models import DateTimeField, Exists, F, Q, Value
 from django.db.models.functions import Coalesce, Now
 
 import storage.attempts
-import storage.jobs
 import storage.runs
 
 from .models import (
@@ -83,17 +82,6 @@ def job_replace_spec(*, job_id, expected_version: int, fields: dict) -> bool:
         Job.objects.filter(
             id=job_id, version=expected_version, state__in=LIVE_JOB_STATES, deleted_at=None
         ).update(**fields)
-    )
-
-
-def jobs_advance(*, jobs: list[Job]) -> None:
-    """Store the advanced next_run_at of jobs whose due occurrences were just materialized,
-    in one UPDATE (`storage.jobs.jobs_advance`); the caller holds their row locks (FOR
-    UPDATE), so no other writer can interleave."""
-    if not jobs:
-        return
-    storage.jobs.jobs_advance(
-        job_ids=[job.id for job in jobs], next_run_ats=[job.next_run_at for job in jobs]
     )
 
 

@@ -1,14 +1,12 @@
-"""Jobs: the batched advance of their next occurrence, and the reads on jobs that the ORM
-cannot express as one bounded statement."""
+"""Reads on jobs that the ORM cannot express as one bounded statement."""
 
 from __future__ import annotations
 
-import datetime as dt
 import uuid
 from collections.abc import Mapping
 from typing import NamedTuple
 
-from .sql import execute, fetch_all
+from .sql import fetch_all
 
 # Per job, its latest `limit` finished runs since its last resume, newest first: a backward
 # walk of run_job_finished_idx that stops after `limit` rows, whatever the job's history.
@@ -39,21 +37,3 @@ def jobs_latest_finished_runs(*, limits: Mapping[uuid.UUID, int]) -> list[Finish
         return []
     rows = fetch_all(LATEST_FINISHED, {"jobs": list(limits), "limits": list(limits.values())})
     return [FinishedRun(job_id, state) for job_id, state in rows]
-
-
-_ADVANCE = """
-    UPDATE jobs_job AS job
-       SET next_run_at = advanced.next_run_at
-      FROM unnest(%s::uuid[], %s::timestamptz[]) AS advanced (id, next_run_at)
-     WHERE job.id = advanced.id
-"""
-
-
-def jobs_advance(*, job_ids: list[uuid.UUID], next_run_ats: list[dt.datetime | None]) -> int:
-    """Store each job's next occurrence (`next_run_ats[i]` for `job_ids[i]`, None: none), in
-    one statement joined to the new values unnested from two arrays. The number of jobs
-    updated. Runs in the caller's transaction, which holds the jobs' row locks (FOR UPDATE:
-    no other writer interleaves); takes them itself otherwise."""
-    if not job_ids:
-        return 0
-    return execute(_ADVANCE, [list(job_ids), list(next_run_ats)])

@@ -334,6 +334,8 @@ def test_a_refusal_to_end_a_gone_replicas_session_costs_no_lease(monkeypatch):
     """Schedulers on database roles without pg_signal_backend: pg_terminate_backend is
     refused (stood in for here, since the tests' role is a superuser); the pass still
     renews and takes over, it only leaves the frozen session alone."""
+    from django.db import connection
+
     import dispatch.partitions
 
     once("a", at(0), partitions=4)
@@ -345,10 +347,11 @@ def test_a_refusal_to_end_a_gone_replicas_session_costs_no_lease(monkeypatch):
     )
     PartitionLease.objects.filter(holder="b").update(expires_at=at(1))  # b froze at once
 
-    def refused(cursor, **_):
-        cursor.execute("SELECT 1/0")  # a real error of the database, in the pass's cursor
+    def refused(**_):
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT 1/0")  # a real error of the database, in the pass's session
 
-    monkeypatch.setattr(dispatch.partitions, "_sessions_terminate", refused)
+    monkeypatch.setattr(dispatch.partitions, "replica_sessions_terminate", refused)
     result = once("a", at(5), partitions=4)
     assert (result.renewed, result.acquired, result.sessions_ended) == (2, 2, 0)
     assert holdings(at(5)) == {"a": 4}

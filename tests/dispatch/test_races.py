@@ -12,7 +12,7 @@ from django.db import transaction
 import jobs.transitions as transitions
 from dispatch.errors import StaleAttempt
 from dispatch.reaper import OutageGrace, ReaperConfig, reaper_run_once
-from dispatch.reconciler import ReconcileConfig, reconcile_run_once
+from dispatch.reconciler import ReconcileConfig, ReconcileWindow, reconcile_run_once
 from dispatch.scheduler import SchedulerConfig, scheduler_run_once
 from dispatch.worker import LEASE_KEEPER, RunContext, run_execute_delivery
 from jobs.models import (
@@ -172,7 +172,10 @@ def test_runs_waiting_out_their_backoff_never_starve_a_newly_lost_message(queued
     publish(lost, at=later(-600))
 
     result = reconcile_run_once(
-        now=NOW, config=ReconcileConfig(batch_size=3), queue_depth=lambda queue: 0
+        now=NOW,
+        config=ReconcileConfig(batch_size=3),
+        queue_depth=lambda queue: 0,
+        window=ReconcileWindow(),
     )
     assert result.republished == 1
     assert Run.objects.get(id=lost.id).republish_count == 1

@@ -19,6 +19,7 @@ from dispatch.reconciler import (
     BrokerQueueDepth,
     ReconcileConfig,
     ReconcileResult,
+    ReconcileWindow,
     reconcile_run_once,
 )
 from dispatch.scheduler import SchedulerConfig, scheduler_run_once
@@ -76,10 +77,16 @@ def queued_run(make_job, settings):
     return make
 
 
+@pytest.fixture
+def window() -> ReconcileWindow:
+    """The reconciliation loop's walk over the queued runs, one per test as one per loop."""
+    return ReconcileWindow()
+
+
 # --- lost messages ---------------------------------------------------------------------
 
 
-def test_a_run_published_long_ago_and_never_claimed_is_published_again(queued_run):
+def test_a_run_published_long_ago_and_never_claimed_is_published_again(queued_run, window):
     lost = queued_run()
     first_message_id = OutboxMessage.objects.get(run=lost).message_id
     publish(lost, at=later(-THRESHOLD - 1))
@@ -92,7 +99,7 @@ def test_a_run_published_long_ago_and_never_claimed_is_published_again(queued_ru
         asked.append(queue)
         return 0
 
-    result = reconcile_run_once(now=NOW, config=CONFIG, queue_depth=depth)
+    result = reconcile_run_once(now=NOW, config=CONFIG, queue_depth=depth, window=window)
 
     assert result == ReconcileResult(republished=1)
     assert asked == ["jobs"]  # asked once per queue, not once per run
@@ -119,18 +126,23 @@ def test_a_run_published_long_ago_and_never_claimed_is_published_again(queued_ru
     assert not AuditEvent.objects.filter(run=recent).exists()
 
     # Its new row is pending now: the relay's job, not reconciliation's.
-    assert reconcile_run_once(now=NOW, config=CONFIG, queue_depth=depth).republished == 0
+    assert (
+        reconcile_run_once(now=NOW, config=CONFIG, queue_depth=depth, window=window).republished
+        == 0
+    )
     assert OutboxMessage.objects.filter(run=lost).count() == 1
     assert counter("scheduler_reconcile_repairs_total", 'kind="republished"') == 1
 
 
 @pytest.mark.parametrize("depth", [1, None], ids=["messages-waiting", "depth-unknown"])
-def test_a_queue_with_ready_messages_or_unknown_depth_is_left_alone(queued_run, depth):
+def test_a_queue_with_ready_messages_or_unknown_depth_is_left_alone(queued_run, depth, window):
     run = queued_run()
     publish(run, at=later(-THRESHOLD - 60))
     before = snapshot(run.id)
 
-    result = reconcile_run_once(now=NOW, config=CONFIG, queue_depth=lambda queue: depth)
+    result = reconcile_run_once(
+        now=NOW, config=CONFIG, queue_depth=lambda queue: depth, window=window
+    )
 
     assert result == ReconcileResult()
     assert snapshot(run.id) == before
@@ -138,11 +150,11 @@ def test_a_queue_with_ready_messages_or_unknown_depth_is_left_alone(queued_run, 
     assert not Counter.objects.filter(name="scheduler_reconcile_repairs_total").exists()
 
 
-def test_a_run_whose_outbox_row_is_still_pending_is_left_alone(queued_run):
+def test_a_run_whose_outbox_row_is_still_pending_is_left_alone(queued_run, window):
     run = queued_run(created=NOW - dt.timedelta(hours=1))
     before = snapshot(run.id)
 
-    result = reconcile_run_once(now=NOW, config=CONFIG, queue_depth=empty_queue)
+    result = reconcile_run_once(now=NOW, config=CONFIG, queue_depth=empty_queue, window=window)
 
     # Only alarmed: the relay keeps trying to publish it.
     assert result == ReconcileResult(outbox_stuck=1)
@@ -151,7 +163,7 @@ def test_a_run_whose_outbox_row_is_still_pending_is_left_alone(queued_run):
 
 
 def test_a_row_held_back_by_a_full_queue_or_an_owner_s_limit_is_not_alarmed(
-    queued_run, user, caplog
+    queued_run, user, caplog, window
 ):
     """Backpressure and owners' limits keep rows waiting on purpose: past the alarm's age
     they are only noted, unless the relay failed on them or nothing explains the wait."""
@@ -166,10 +178,10 @@ def test_a_row_held_back_by_a_full_queue_or_an_owner_s_limit_is_not_alarmed(
     def errors() -> list[str]:
         return [r.message for r in caplog.records if r.levelno >= logging.ERROR]
 
-    assert reconcile_run_once(now=NOW, config=full, queue_depth=lambda queue: 10) == (
-        ReconcileResult(outbox_held_back=1)
-    )
-    assert reconcile_run_once(now=NOW, config=full, queue_depth=lambda queue: 9) == (
+    assert reconcile_run_once(
+        now=NOW, config=full, queue_depth=lambda queue: 10, window=window
+    ) == ReconcileResult(outbox_held_back=1)
+    assert reconcile_run_once(now=NOW, config=full, queue_depth=lambda queue: 9, window=window) == (
         ReconcileResult(outbox_stuck=1)
     )
     assert len(errors()) == 1
@@ -178,18 +190,18 @@ def test_a_row_held_back_by_a_full_queue_or_an_owner_s_limit_is_not_alarmed(
     OutboxMessage.objects.filter(run=other).delete()
     ActiveRun.objects.create(run=other, owner=user, published_at=NOW)
     OwnerLimit.objects.create(owner=user, max_active_runs=1)
-    assert reconcile_run_once(now=NOW, config=CONFIG, queue_depth=lambda queue: 9) == (
-        ReconcileResult(outbox_held_back=1)
-    )
+    assert reconcile_run_once(
+        now=NOW, config=CONFIG, queue_depth=lambda queue: 9, window=window
+    ) == ReconcileResult(outbox_held_back=1)
     # A row the relay failed on is stuck, whatever else holds it.
     OutboxMessage.objects.update(publish_tries=1, last_error="refused")
-    assert reconcile_run_once(now=NOW, config=full, queue_depth=lambda queue: 10) == (
-        ReconcileResult(outbox_stuck=1)
-    )
+    assert reconcile_run_once(
+        now=NOW, config=full, queue_depth=lambda queue: 10, window=window
+    ) == ReconcileResult(outbox_stuck=1)
     assert len(errors()) == 2
 
 
-def test_rows_held_back_do_not_hide_other_queues_stuck_rows(queued_run, caplog):
+def test_rows_held_back_do_not_hide_other_queues_stuck_rows(queued_run, caplog, window):
     """The oldest row waits on purpose (its queue at its mark); a younger row of another
     queue, whose wait nothing explains (a dead relay), still raises the ERROR."""
     import logging
@@ -203,20 +215,20 @@ def test_rows_held_back_do_not_hide_other_queues_stuck_rows(queued_run, caplog):
         return [r.message for r in caplog.records if r.levelno >= logging.ERROR]
 
     depths = {"jobs": 10, "other": 0}
-    assert reconcile_run_once(now=NOW, config=full, queue_depth=depths.get) == (
+    assert reconcile_run_once(now=NOW, config=full, queue_depth=depths.get, window=window) == (
         ReconcileResult(outbox_stuck=1, outbox_held_back=1)
     )
     assert len(errors()) == 1
     # Both queues at their mark: both rows wait on purpose, no ERROR.
     depths["other"] = 10
-    assert reconcile_run_once(now=NOW, config=full, queue_depth=depths.get) == (
+    assert reconcile_run_once(now=NOW, config=full, queue_depth=depths.get, window=window) == (
         ReconcileResult(outbox_held_back=2)
     )
     assert len(errors()) == 1
 
 
 def test_rows_a_relay_failed_on_are_alarmed_behind_any_number_held_back(
-    queued_run, caplog, monkeypatch
+    queued_run, caplog, monkeypatch, window
 ):
     """More rows held back on purpose than the alarm reads (STUCK_ROWS, 3 here) come first;
     a younger row of another queue that a relay failed to publish still raises the ERROR:
@@ -233,13 +245,15 @@ def test_rows_a_relay_failed_on_are_alarmed_behind_any_number_held_back(
     OutboxMessage.objects.filter(run=failing).update(publish_tries=2, last_error="refused")
     full = dataclasses.replace(CONFIG, queue_high_water=10)
 
-    result = reconcile_run_once(now=NOW, config=full, queue_depth={"jobs": 10, "other": 0}.get)
+    result = reconcile_run_once(
+        now=NOW, config=full, queue_depth={"jobs": 10, "other": 0}.get, window=window
+    )
 
     assert result == ReconcileResult(outbox_stuck=1, outbox_held_back=3)
     assert [r.levelno for r in caplog.records if r.levelno >= logging.ERROR] == [logging.ERROR]
 
 
-def test_after_max_republish_tries_the_run_fails_as_undeliverable(queued_run, user):
+def test_after_max_republish_tries_the_run_fails_as_undeliverable(queued_run, user, window):
     config = ReconcileConfig(queued_after_seconds=THRESHOLD, max_republish=2)
     run = queued_run()
     publish(run, at=NOW)
@@ -247,16 +261,16 @@ def test_after_max_republish_tries_the_run_fails_as_undeliverable(queued_run, us
     for attempt in (1, 2):
         # Each re-publication waits twice as long as the one before.
         at += dt.timedelta(seconds=THRESHOLD * 2 ** (attempt - 1) - 1)
-        early = reconcile_run_once(now=at, config=config, queue_depth=empty_queue)
+        early = reconcile_run_once(now=at, config=config, queue_depth=empty_queue, window=window)
         assert early == ReconcileResult()
         at += dt.timedelta(seconds=2)
-        result = reconcile_run_once(now=at, config=config, queue_depth=empty_queue)
+        result = reconcile_run_once(now=at, config=config, queue_depth=empty_queue, window=window)
         assert result == ReconcileResult(republished=1)
         assert Run.objects.get(id=run.id).republish_count == attempt
         publish(run, at=at)
 
     at += dt.timedelta(seconds=THRESHOLD * 4 + 1)
-    result = reconcile_run_once(now=at, config=config, queue_depth=empty_queue)
+    result = reconcile_run_once(now=at, config=config, queue_depth=empty_queue, window=window)
 
     assert result == ReconcileResult(undeliverable=1)
     run.refresh_from_db()
@@ -271,7 +285,10 @@ def test_after_max_republish_tries_the_run_fails_as_undeliverable(queued_run, us
     assert counter("scheduler_reconcile_repairs_total", 'kind="undeliverable"') == 1
     assert counter("scheduler_reconcile_repairs_total", 'kind="republished"') == 2
     # A later pass does nothing more.
-    assert reconcile_run_once(now=at, config=config, queue_depth=empty_queue) == ReconcileResult()
+    assert (
+        reconcile_run_once(now=at, config=config, queue_depth=empty_queue, window=window)
+        == ReconcileResult()
+    )
 
     # An operator replay starts the republish count over.
     run = Run.objects.select_related("job_version").get(id=run.id)
@@ -280,7 +297,7 @@ def test_after_max_republish_tries_the_run_fails_as_undeliverable(queued_run, us
     assert (run.state, run.republish_count, run.failure_reason) == (RunState.QUEUED, 0, "")
 
 
-def test_the_real_broker_tells_a_queue_with_messages_from_a_missing_one(queued_run):
+def test_the_real_broker_tells_a_queue_with_messages_from_a_missing_one(queued_run, window):
     busy = f"reconcile-busy-{uuid.uuid4().hex[:8]}"
     missing = f"reconcile-missing-{uuid.uuid4().hex[:8]}"
     depth = BrokerQueueDepth(settings.CELERY_BROKER_URL, settings.CELERY_BROKER_TRANSPORT_OPTIONS)
@@ -302,7 +319,7 @@ def test_the_real_broker_tells_a_queue_with_messages_from_a_missing_one(queued_r
                 publish(run, at=later(-THRESHOLD - 1))
             waiting_before = snapshot(waiting.id)
 
-            result = reconcile_run_once(now=NOW, config=CONFIG, queue_depth=depth)
+            result = reconcile_run_once(now=NOW, config=CONFIG, queue_depth=depth, window=window)
 
             assert result == ReconcileResult(republished=1)
             assert snapshot(waiting.id) == waiting_before
@@ -315,6 +332,7 @@ def test_the_real_broker_tells_a_queue_with_messages_from_a_missing_one(queued_r
 
 def test_a_run_whose_queue_delivered_later_messages_is_lost_even_while_the_queue_is_busy(
     queued_run,
+    window,
 ):
     lost = queued_run()
     publish(lost, at=later(-3 * THRESHOLD))
@@ -331,7 +349,7 @@ def test_a_run_whose_queue_delivered_later_messages_is_lost_even_while_the_queue
     Run.objects.filter(id=delivered.id).update(created_at=later(-THRESHOLD))
     before = [snapshot(run.id) for run in (recent, elsewhere)]
 
-    result = reconcile_run_once(now=NOW, config=CONFIG, queue_depth=lambda queue: 5)
+    result = reconcile_run_once(now=NOW, config=CONFIG, queue_depth=lambda queue: 5, window=window)
 
     assert result == ReconcileResult(republished=1)
     assert Run.objects.get(id=lost.id).republish_count == 1
@@ -342,13 +360,14 @@ def test_a_run_whose_queue_delivered_later_messages_is_lost_even_while_the_queue
     # The claimed message was published before this republication: it says nothing of it.
     publish(lost, at=NOW)
     later_pass = reconcile_run_once(
-        now=later(4 * THRESHOLD), config=CONFIG, queue_depth=lambda q: 5
+        now=later(4 * THRESHOLD), config=CONFIG, queue_depth=lambda q: 5, window=window
     )
     assert later_pass == ReconcileResult()
 
 
 def test_a_backlog_published_late_is_not_taken_for_lost_while_its_first_runs_are_claimed(
     queued_run,
+    window,
 ):
     """After an outage of the relays, runs queued long ago are published at once; the
     first ones claimed were created as long ago as the rest, so nothing is republished."""
@@ -362,7 +381,7 @@ def test_a_backlog_published_late_is_not_taken_for_lost_while_its_first_runs_are
     Run.objects.filter(id=claimed.id).update(published_at=NOW)
     before = [snapshot(run.id) for run in waiting]
 
-    result = reconcile_run_once(now=NOW, config=CONFIG, queue_depth=lambda queue: 5)
+    result = reconcile_run_once(now=NOW, config=CONFIG, queue_depth=lambda queue: 5, window=window)
 
     assert result == ReconcileResult()
     assert [snapshot(run.id) for run in waiting] == before
@@ -387,7 +406,7 @@ def orphan(run: Run, *, updated_at: dt.datetime) -> Attempt:
     ids=["retries", "no-attempt-left"],
 )
 def test_a_running_run_without_a_live_attempt_is_repaired(
-    queued_run, max_attempts, state, next_attempt_at, reason
+    queued_run, max_attempts, state, next_attempt_at, reason, window
 ):
     retry = {"max_attempts": max_attempts, "initial_delay_seconds": 10, "jitter": False}
     run = queued_run(retry=retry)
@@ -399,13 +418,13 @@ def test_a_running_run_without_a_live_attempt_is_repaired(
     live_before = snapshot(live_run.id)
 
     # Not before it has looked orphaned for running_orphan_after_seconds.
-    assert reconcile_run_once(now=NOW, config=CONFIG, queue_depth=empty_queue) == (
+    assert reconcile_run_once(now=NOW, config=CONFIG, queue_depth=empty_queue, window=window) == (
         ReconcileResult()
     )
     assert Run.objects.get(id=run.id).state == RunState.RUNNING
 
     Run.objects.filter(id=run.id).update(updated_at=later(-CONFIG.running_orphan_after_seconds - 1))
-    result = reconcile_run_once(now=NOW, config=CONFIG, queue_depth=empty_queue)
+    result = reconcile_run_once(now=NOW, config=CONFIG, queue_depth=empty_queue, window=window)
 
     assert result == ReconcileResult(orphans_repaired=1)
     run.refresh_from_db()
@@ -424,7 +443,7 @@ def test_a_running_run_without_a_live_attempt_is_repaired(
     assert not AuditEvent.objects.filter(run=live_run).exists()
 
 
-def test_a_backlogged_queue_does_not_starve_lost_messages_on_other_queues(queued_run):
+def test_a_backlogged_queue_does_not_starve_lost_messages_on_other_queues(queued_run, window):
     config = ReconcileConfig(queued_after_seconds=THRESHOLD, batch_size=2)
     backlog = [queued_run(queue="backlog", created=NOW - dt.timedelta(hours=2)) for _ in range(2)]
     lost = queued_run(queue="jobs", created=NOW - dt.timedelta(hours=1))
@@ -433,14 +452,16 @@ def test_a_backlogged_queue_does_not_starve_lost_messages_on_other_queues(queued
     depths = {"backlog": 100, "jobs": 0}
 
     for _ in range(3):
-        reconcile_run_once(now=NOW, config=config, queue_depth=depths.__getitem__)
+        reconcile_run_once(now=NOW, config=config, queue_depth=depths.__getitem__, window=window)
 
     assert all(Run.objects.get(id=run.id).republish_count == 0 for run in backlog)
     assert Run.objects.get(id=lost.id).republish_count == 1
     assert OutboxMessage.objects.filter(run=lost, state=OutboxState.PENDING).count() == 1
 
 
-def test_a_lost_backfill_or_manual_run_is_judged_by_its_lane_and_sent_there_again(queued_run, user):
+def test_a_lost_backfill_or_manual_run_is_judged_by_its_lane_and_sent_there_again(
+    queued_run, user, window
+):
     """Backfill and manual runs travel in their job's queue's lanes (jobs.lanes): their
     queue's depth is asked of the lane, and the republished row goes to the lane."""
     from jobs.services import job_backfill, job_trigger
@@ -463,7 +484,10 @@ def test_a_lost_backfill_or_manual_run_is_judged_by_its_lane_and_sent_there_agai
         asked.append(queue)
         return 0
 
-    assert reconcile_run_once(now=NOW, config=CONFIG, queue_depth=depth).republished == 3
+    assert (
+        reconcile_run_once(now=NOW, config=CONFIG, queue_depth=depth, window=window).republished
+        == 3
+    )
     assert sorted(asked) == ["jobs", "jobs.backfill", "jobs.manual"]
     assert dict(OutboxMessage.objects.values_list("run_id", "queue")) == {
         Run.objects.get(job=job, kind="scheduled").id: "jobs",

@@ -25,10 +25,10 @@ from jobs.models import (
     Run,
     RunState,
 )
-from jobs.retention import EXPIRED_RUNS, KEPT
 from jobs.services import job_trigger
 from logs_app.models import LogChunk, LogManifest
 from scheduler_project.settings.env import env_days
+from storage.retention import EXPIRED_RUNS
 from tests import factories
 from tests.factories import make_job
 from tests.logs.test_retention import attempt_with_logs, stored_names
@@ -214,7 +214,7 @@ def test_the_candidates_are_read_through_the_finished_runs_index(user):
         # it is only while the query's states imply the partial index's predicate.
         cursor.execute("SET LOCAL enable_seqscan = off")
         cursor.execute(
-            "EXPLAIN " + EXPIRED_RUNS.format(kept=KEPT["postgresql"]),
+            "EXPLAIN " + EXPIRED_RUNS,
             {"cutoff": NOW - 30 * DAY, "limit": 1000},
         )
         plan = "\n".join(row[0] for row in cursor.fetchall())

@@ -11,7 +11,7 @@ from django.db import connection
 
 from dispatch.broker import ConfirmingPublisher
 from dispatch.promoter import PromoterConfig, promoter_run_once
-from dispatch.reconciler import ReconcileConfig, reconcile_run_once
+from dispatch.reconciler import ReconcileConfig, ReconcileWindow, reconcile_run_once
 from dispatch.relay import RelayConfig, relay_run_once
 from dispatch.scheduler import SchedulerConfig, scheduler_run_once
 from dispatch.shares import OwnerTurns, shares
@@ -167,7 +167,10 @@ def test_a_run_republished_by_reconciliation_does_not_count_against_its_own_publ
     purge_queue()  # the message is lost
     later = NOW + dt.timedelta(minutes=10)
     result = reconcile_run_once(
-        now=later, config=ReconcileConfig(queued_after_seconds=60), queue_depth=lambda _: 0
+        window=ReconcileWindow(),
+        now=later,
+        config=ReconcileConfig(queued_after_seconds=60),
+        queue_depth=lambda _: 0,
     )
     assert result.republished == 1
     assert not ActiveRun.objects.filter(run=run).exists()

@@ -12,10 +12,13 @@ from jobs.keys import backfill_key
 from jobs.models import AuditEvent, Job, JobState, JobVersion, OutboxMessage, Run, RunKind, RunState
 from jobs.schedules import ScheduleError
 from jobs.services import (
+    JobQuotaExceeded,
+    QuotaCounts,
     job_backfill,
     job_cancel,
     job_delete,
     job_pause,
+    job_quota_check,
     job_resume,
     job_trigger,
     job_update,
@@ -175,3 +178,19 @@ def test_resume_after_a_passing_schedule_error_goes_on_after_the_last_run(make_j
     assert job_resume(job=job, actor=user, now=T0 + 3 * H + dt.timedelta(minutes=5))
     job.refresh_from_db()
     assert job.next_run_at == T0 + H  # the misfire policy sees 01:00-03:00
+
+
+@pytest.mark.django_db
+def test_the_quota_check_depends_on_its_counts_object_only(make_job, user, settings):
+    """Two checks with the same arguments and fresh counts agree: the recount cache is an
+    object its caller owns, not a module's state, and near the limit every check counts."""
+    settings.SCHEDULER_OWNER_MAX_JOBS = 2
+    make_job()
+    warm = QuotaCounts()
+    job_quota_check(owner=user, adding=1, counts=warm)  # 1 held + 1: within the limit
+    make_job()  # now 2 held: the cache of `warm` is near the limit, so it is not reused
+    with pytest.raises(JobQuotaExceeded):
+        job_quota_check(owner=user, adding=1, counts=warm)
+    with pytest.raises(JobQuotaExceeded):
+        job_quota_check(owner=user, adding=1, counts=QuotaCounts())
+    assert warm.counts != {} and QuotaCounts().counts == {}

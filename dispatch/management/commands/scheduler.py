@@ -16,7 +16,12 @@ from dispatch.loop import StopSignal, run_loop, run_once_step
 from dispatch.partitions import PartitionKeeper, PartitionsConfig, replica_holder
 from dispatch.pruner import PrunerConfig, pruner_run_once
 from dispatch.reaper import OutageGrace, ReaperConfig, reaper_run_once
-from dispatch.reconciler import BrokerQueueDepth, ReconcileConfig, reconcile_run_once
+from dispatch.reconciler import (
+    BrokerQueueDepth,
+    ReconcileConfig,
+    ReconcileWindow,
+    reconcile_run_once,
+)
 from dispatch.scheduler import SchedulerConfig, SchedulerWake
 from dispatch.wakeup import Listener
 from jobs.notify import CHANNEL_PARTITIONS, CHANNEL_SCHEDULE
@@ -26,8 +31,7 @@ class Command(BaseCommand):
     help = (
         "Run one scheduler replica: turns due occurrences and retries into queued runs, and "
         "runs the reaper (expired leases, timeouts), reconciliation and pruning loops beside it. "
-        "It dispatches only the partitions whose lease it holds, kept by a loop "
-        "of its own."
+        "It dispatches only the partitions whose lease it holds, kept by a loop of its own."
     )
 
     def add_arguments(self, parser):
@@ -142,7 +146,9 @@ class Command(BaseCommand):
             depth = BrokerQueueDepth(
                 settings.CELERY_BROKER_URL, settings.CELERY_BROKER_TRANSPORT_OPTIONS
             )
-            step = run_once_step(reconcile_run_once, reconcile, queue_depth=depth)
+            # The loop's own walk over the queued runs, carried from each pass to the next.
+            window = ReconcileWindow()
+            step = run_once_step(reconcile_run_once, reconcile, queue_depth=depth, window=window)
             loops.append(self.loop("reconciler", step, stop, close=depth.close))
         if not options["without_pruner"]:
             loops.append(
@@ -165,7 +171,7 @@ class Command(BaseCommand):
         a replica that takes its partitions over after a freeze ends it (dispatch.partitions),
         so the job rows a frozen pass keeps locked go with the partitions."""
         if threading.current_thread().name == "scheduler":
-            self.keeper.scheduler_session_opened(connection)
+            self.keeper.scheduler_session_opened()
 
     def loop(
         self,
