@@ -145,10 +145,11 @@ def test_a_killed_standalone_leaves_nothing_that_blocks_the_next_start(tmp_path)
     try:
         wait_for(lambda: log_path.read_bytes().count(b"API token") == 1, timeout=60,
                  message="the first start's token")  # fmt: skip
-        children = [
-            int(line.split()[0])
-            for line in (tmp_path / "var" / "standalone.pid").read_text().splitlines()[1:]
-        ]
+        pid_file = tmp_path / "var" / "standalone.pid"
+        # Standalone's line, then one per child once all four started.
+        lines = wait_for(lambda: (lines := pid_file.read_text().splitlines())[4:] and lines,
+                         timeout=60, message="the four children in the pid file")  # fmt: skip
+        children = [int(line.split()[0]) for line in lines[1:]]
         assert len(children) == 4
         beside = subprocess.run(
             [sys.executable, "manage.py", "standalone", "--port", str(_free_port())],
