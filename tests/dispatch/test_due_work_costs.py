@@ -29,10 +29,7 @@ from jobs.selectors import oldest_pending_outbox
 from storage.jobs import LATEST_FINISHED
 from tests.factories import make_job, publish
 
-pytestmark = [
-    pytest.mark.django_db,
-    pytest.mark.skipif(connection.vendor != "postgresql", reason="PostgreSQL's plans"),
-]
+pytestmark = pytest.mark.django_db
 
 NOW = dt.datetime(2030, 1, 1, 12, 0, tzinfo=dt.UTC)
 

@@ -4,8 +4,6 @@ rests on are there, and the indexes no query needs are not (each costs every run
 import pytest
 from django.db import connection
 
-pytestmark = pytest.mark.skipif(connection.vendor != "postgresql", reason="PostgreSQL's catalog")
-
 
 def _indexes(table: str) -> set[str]:
     with connection.cursor() as cursor:

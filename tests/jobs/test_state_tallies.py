@@ -28,9 +28,6 @@ from tests.factories import api_run_cancel, api_run_replay, scheduler_pass
 from tests.jobs.test_metrics import scrape
 from tests.processes import purge_queue
 
-pytestmark = pytest.mark.skipif(
-    connection.vendor != "postgresql", reason="the tallies are PostgreSQL's triggers"
-)
 NOW = dt.datetime(2030, 1, 1, tzinfo=dt.UTC)
 BEFORE = ("jobs", "0001_jobs_runs_attempts")  # the tables, no trigger yet
 
