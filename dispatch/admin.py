@@ -1,6 +1,6 @@
 """The admin's Celery task results (django-celery-results, filled when
 SCHEDULER_CELERY_RESULTS is on) link to the runs their task delivered; a run's attempts
-link back to their task (jobs.admin.AttemptInline)."""
+link back to their task (the run page, jobs.admin.pages)."""
 
 import re
 

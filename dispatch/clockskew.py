@@ -1,6 +1,6 @@
 """Clock skew: every scheduler, relay and worker process records the skew between its clock
 and the database's (`jobs.clock.clock_skew_record`) every `poll_interval`, so /metrics
-exports `scheduler_clock_skew_seconds` per process (SPEC, "Scale"). Nothing compares
+exports `scheduler_clock_skew_seconds` per process (docs/scale.md). Nothing compares
 instants on a process's clock (leases, due times and heartbeats use the database's); the
 metric shows an operator the host whose clock drifted."""
 

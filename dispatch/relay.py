@@ -186,7 +186,7 @@ def _relay_queue(
             )
         except BrokerRefusal as exc:
             # A refusal on the channel, not an outage: this queue's rows wait, a try
-            # counted, and the other queues go on (SPEC, "Security").
+            # counted, and the other queues go on (docs/security.md).
             publisher.reset()
             log.warning("the broker refused queue %r: %s", queue, exc)
             outbox_record_failure(message_ids=ids, error=exc)

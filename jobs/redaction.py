@@ -1,4 +1,4 @@
-"""Redaction of secret-looking values (SPEC, "Security"): the one module, used wherever such
+"""Redaction of secret-looking values (docs/security.md): the one module, used wherever such
 a value could surface in what the system stores or shows: run logs, tracebacks, stored
 results, and every admin page that shows args, kwargs, a spec, a version or a result.
 

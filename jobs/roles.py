@@ -1,4 +1,4 @@
-"""Who may act across owners (SPEC, "Security"): members of the `operators` group and
+"""Who may act across owners (docs/security.md): members of the `operators` group and
 superusers. `is_staff` alone opens the admin's door (whose model permissions decide the
 rest), not other owners' objects through the API."""
 

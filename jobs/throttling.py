@@ -1,4 +1,4 @@
-"""Throttling shared by every web process (SPEC, "Security"): per user (or client address
+"""Throttling shared by every web process (docs/security.md): per user (or client address
 when anonymous), one counter row per (scope, user) in the database, counted in fixed
 windows by one atomic upsert.
 

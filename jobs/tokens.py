@@ -1,4 +1,4 @@
-"""API tokens, hashed at rest (SPEC, "Security"): `Authorization: Token <key>` as DRF's
+"""API tokens, hashed at rest (docs/security.md): `Authorization: Token <key>` as DRF's
 tokens were, several per user, with expiry and revocation.
 
 A key is 40 random hex characters (160 bits), shown once, when it is created. The database

@@ -1,6 +1,6 @@
 """Canary secrets at several depths in a job's args and kwargs, and in the result its
 handler returns, never appear in any admin page, in the run's logs or in its stored result
-(SPEC, "Security"), while the API still returns the owner's own args as given; nor does an
+(docs/security.md), while the API still returns the owner's own args as given; nor does an
 API key, in the admin or in a dump of the token table."""
 
 import pytest

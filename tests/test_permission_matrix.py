@@ -1,4 +1,4 @@
-"""The permission matrix (SPEC, "Security"), generated from the URL conf: every route x
+"""The permission matrix (docs/security.md), generated from the URL conf: every route x
 every method it serves x (anonymous, owner, other owner, staff without the operators group,
 operator, superuser) x (own object, other's object), with the expected answer of each.
 
@@ -32,7 +32,7 @@ class Row:
     # "authenticated" (anyone with credentials; lists show only what the user may see),
     # "operator" (operators and superusers; others 403), "probe" (anyone), "admin" (the
     # admin's door: staff and superusers), "redirect" (anyone: an old address), "dashboard"
-    # (a signed-in session of staff, an operator or a superuser (SPEC); anonymous: to the
+    # (a signed-in session of staff, an operator or a superuser; anonymous: to the
     # login page; its lists of jobs and runs follow the API's visibility).
     access: str
 

@@ -36,7 +36,7 @@ SUCCESS_BATCH_SECONDS = 0.05
 def storable_result(value):
     """The handler's return value as the database can store it: JSON without NaN or NUL
     characters (PostgreSQL's jsonb refuses both), bounded in size, and with secret-looking
-    values redacted (SPEC, "Security": a result is shown to operators and in the admin)."""
+    values redacted (docs/security.md: a result is shown to operators and in the admin)."""
     try:
         text = json.dumps(value, allow_nan=False)
     except (TypeError, ValueError, RecursionError):

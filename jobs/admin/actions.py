@@ -1,4 +1,4 @@
-"""The admin's actions on jobs and runs, by the SPEC's names (`pause_jobs`, `resume_jobs`,
+"""The admin's actions on jobs and runs, by their documented names (`pause_jobs`, `resume_jobs`,
 `cancel_jobs`, `trigger_jobs`, `backfill_jobs`, `cancel_runs`, `replay_runs`).
 
 Each goes through the service the API calls, with the operator as the actor of its audit

@@ -22,7 +22,7 @@ from ..services import JobQuotaExceeded
 
 def api_exception_handler(exc, context):
     """DRF's, plus the domain's refusals that are not bad input: an owner over its job
-    quota answers 429 (SPEC, "Security"); the transaction of the request rolled back."""
+    quota answers 429 (docs/security.md); the transaction of the request rolled back."""
     if isinstance(exc, JobQuotaExceeded):
         return Response({"detail": str(exc)}, status=status.HTTP_429_TOO_MANY_REQUESTS)
     return exception_handler(exc, context)

@@ -85,7 +85,7 @@ class JobOutput(JobSpecSerializer):
 
 def _spec_shown(job: Job, viewer) -> dict:
     """The spec as given to its owner (their own data); secrets masked for anyone else,
-    operators included (SPEC, "Security"). No viewer: the job's creator, answered."""
+    operators included (docs/security.md). No viewer: the job's creator, answered."""
     if viewer is None or viewer.pk == job.owner_id:
         return job.spec
     return redact_value(job.spec)

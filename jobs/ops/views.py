@@ -1,6 +1,6 @@
 """Operations endpoints: /healthz, /readyz, /metrics.
 
-The probes answer anonymously with a bare status (SPEC, "Security"); the details of
+The probes answer anonymously with a bare status (docs/security.md); the details of
 /readyz, and /metrics, are for operators (jobs.roles) or, for /metrics, a scraper's
 `SCHEDULER_METRICS_TOKEN`."""
 
@@ -27,7 +27,7 @@ from .metrics import DatabaseCollector
 
 
 def probe(view):
-    """An anonymous probe (the SPEC's exception to "every endpoint authenticates"): no
+    """An anonymous probe (the documented exception to "every endpoint authenticates"): no
     authentication (a stale token in a probe's headers is no reason to fail it), no
     permission, no throttle (a probe must never be refused for its rate)."""
     view = authentication_classes([])(permission_classes([])(throttle_classes([])(view)))

@@ -19,7 +19,7 @@ BASE_DIR = env.BASE_DIR
 VAR_DIR = env.VAR_DIR
 # var/ holds the secret key, the embedded PostgreSQL's data (token hashes, password
 # hashes), run logs and the filesystem broker's messages: readable by their owner only
-# (SPEC, "Security"). Folders 0700, files 0600: those made here explicitly, the rest (the
+# (docs/security.md). Folders 0700, files 0600: those made here explicitly, the rest (the
 # broker's, the logs') through a umask that this process keeps while it writes there;
 # PostgreSQL keeps its own files 0600 in its 0700 folder. Run as root, the embedded
 # server's user may search var/ (0710, scheduler_project.embedded), not read it.
@@ -231,7 +231,7 @@ SPECTACULAR_SETTINGS = {
     "TITLE": "Durable job scheduler API",
     "VERSION": "1",
     "SERVE_INCLUDE_SCHEMA": False,
-    # The schema and its docs page authenticate, as every endpoint does (SPEC, "Security").
+    # The schema and its docs page authenticate, as every endpoint does (docs/security.md).
     "SERVE_PERMISSIONS": ["rest_framework.permissions.IsAuthenticated"],
     # Swagger UI from the pinned drf-spectacular-sidecar package, on our origin: no CDN.
     "SWAGGER_UI_DIST": "SIDECAR",

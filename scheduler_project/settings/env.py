@@ -1,4 +1,4 @@
-"""The one place that reads the environment (SPEC names)."""
+"""The one place that reads the environment (the documented names)."""
 
 import math
 import os

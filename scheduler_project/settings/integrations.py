@@ -9,7 +9,7 @@ from . import env
 CELERY_BROKER_URL = env.CELERY_BROKER_URL
 EMBEDDED_BROKER = CELERY_BROKER_URL.startswith("filesystem://")
 
-# The queues jobs may name (SCHEDULER_QUEUES, SPEC "Security": any other name answers
+# The queues jobs may name (SCHEDULER_QUEUES, docs/security.md: any other name answers
 # 400, so no user creates broker queues); the first is the default, which the worker
 # consumes unless told otherwise (-Q). The relay and the workers declare them all at start.
 SCHEDULER_QUEUES = env.SCHEDULER_QUEUES

@@ -145,7 +145,7 @@ def test_only_staff_and_operators_open_the_dashboard(live_server, transactional_
     users = get_user_model().objects
     plain = users.create_user("plain", password="pw")
     assert session_for(plain, live_server).get(f"{live_server.url}/dashboard/").status_code == 403
-    # Staff open it (SPEC, "Interfaces"); its lists show them only their own jobs' runs.
+    # Staff open it (docs/api.md); its lists show them only their own jobs' runs.
     staff_only = users.create_user("staff-only", password="pw", is_staff=True)
     assert session_for(staff_only, live_server).get(f"{live_server.url}/dashboard/").ok
     operator = users.create_user("operator", password="pw")

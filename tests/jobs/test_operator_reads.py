@@ -1,6 +1,6 @@
 """An operator reads every owner's jobs through the API, never their secrets: the spec and
 the history (versions, diffs, audit data) come masked to anyone but the job's owner, who
-gets their own data as given (SPEC, "Security")."""
+gets their own data as given (docs/security.md)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """docs/time.md holds the DST tables the implementation produces, and the tables say what
-the SPEC's policy says for New York and Berlin on their 2025 transition days."""
+the documented policy says for New York and Berlin on their 2025 transition days."""
 
 from __future__ import annotations
 

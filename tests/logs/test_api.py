@@ -123,7 +123,7 @@ def test_only_the_owner_operators_and_superusers_see_the_logs(queued_run, other_
 
     other_user.groups.add(Group.objects.get_or_create(name="operators")[0])
     assert [line["n"] for line in stranger.get(url).json()["lines"]] == [0, 1, 2]
-    # is_staff alone opens the admin, not other owners' logs (SPEC, "Security").
+    # is_staff alone opens the admin, not other owners' logs (docs/security.md).
     staff = get_user_model().objects.create_user("staff-logs", is_staff=True)
     assert api_client(staff).get(url).status_code == 404
     root = get_user_model().objects.create_superuser("root-logs", "r@example.com", "pw")

@@ -152,7 +152,7 @@ class Command(BaseCommand):
 
     def _first_users(self) -> tuple[str, str | None, str, str]:
         """(admin username, its password if new, API username, a new API token's key).
-        The token is not a superuser's (SPEC, "Security"): it belongs to a plain user
+        The token is not a superuser's (docs/security.md): it belongs to a plain user
         `api`; each start revokes the token the previous start printed (keys are hashed, so
         an old one cannot be printed again)."""
         users = get_user_model()

@@ -1,4 +1,4 @@
-"""`manage.py drf_create_token <user>`: the SPEC's name (DRF's command) for a new API token,
+"""`manage.py drf_create_token <user>`: the documented name (DRF's command) for a new API token,
 now hashed at rest (jobs.tokens): the key is printed once and never stored."""
 
 import datetime as dt
