@@ -15,7 +15,9 @@ Rules every module here follows:
 - Batch forms take lists (`_many`): one statement for N rows.
 - A trigger or SQL function is a `storage.ddl.Ddl` (its CREATE and its DROP) defined in its
   concern's module; a migration installs it with `Ddl.operation()` and imports nothing but
-  this package (never another migration).
+  this package (never another migration). A migration runs once: changing a Ddl that a
+  deployed migration installed takes a new migration that drops the old one and creates
+  the new (the migration keeps its own copy of the old SQL for its reverse).
 - This package imports nothing of the project (only Django's `connection` and the standard
   library): it is the bottom floor of the import contract in `pyproject.toml`.
 - `tests/storage/` calls each operation against PostgreSQL, races included.

@@ -26,6 +26,7 @@ import os
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import tempfile
 import time
@@ -94,9 +95,9 @@ def _is_postgres(pid: int) -> bool:
     except PermissionError:
         pass  # alive, another user's
     try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
+        line = Path(f"/proc/{pid}/stat").read_text()
         # "pid (comm) state ...": a zombie (Z) is a process gone that nobody reaped.
-        name, state = stat[stat.index("(") + 1 : stat.rindex(")")], stat[stat.rindex(")") + 2]
+        name, state = line[line.index("(") + 1 : line.rindex(")")], line[line.rindex(")") + 2]
         return name == "postgres" and state != "Z"
     except OSError:
         name = subprocess.run(["ps", "-o", "comm=", "-p", str(pid)],
@@ -163,12 +164,18 @@ class EmbeddedPostgres:
             )
 
     def _prepare(self, owner) -> None:
-        """The folders the server needs, its owner's; as root, var/ searchable by it."""
+        """The folders the server needs, its owner's."""
+        self.data_dir.mkdir(exist_ok=True, mode=0o700)
+        if owner:
+            os.chown(self.data_dir, *owner)
+        if self.socket_dir != self.data_dir:
+            self._private_socket_dir(owner)
+
+    def _var_prepare(self, owner) -> None:
+        """var/, private; as root, searchable by the server's user (and the folders above
+        it searchable by others: the server's user must reach its data directory)."""
         var = self.data_dir.parent
-        for folder in {self.data_dir, self.socket_dir}:
-            folder.mkdir(exist_ok=True, mode=0o700)
-            if owner:
-                os.chown(folder, *owner)
+        var.mkdir(parents=True, exist_ok=True, mode=0o700)
         if owner:
             os.chown(var, 0, owner[1])
             var.chmod(0o710)
@@ -176,6 +183,37 @@ class EmbeddedPostgres:
             for folder in var.resolve().parents:
                 if not folder.stat().st_mode & 0o001:
                     folder.chmod(folder.stat().st_mode | 0o001)
+
+    def _private_socket_dir(self, owner) -> None:
+        """The socket's folder in the shared temporary directory: made here, or refused if
+        someone else made it or can write to it (its name is predictable, and whoever can
+        replace the socket can pose as the database)."""
+        folder = self.socket_dir
+        with contextlib.suppress(FileExistsError):
+            folder.mkdir(mode=0o700)
+            if owner:
+                os.chown(folder, *owner)
+        found = folder.lstat()
+        expected = owner[0] if owner else os.geteuid()
+        if not stat.S_ISDIR(found.st_mode) or found.st_uid != expected or found.st_mode & 0o077:
+            raise EmbeddedUnavailable(
+                f"embedded PostgreSQL: {folder} (the socket's folder, as the data directory's "
+                "path is too long for a socket) belongs to another user or is open to others: "
+                "remove it, or set SCHEDULER_VAR_DIR to a shorter path."
+            )
+
+    def _initdb(self, owner) -> None:
+        """A new data directory, made aside and moved into place whole: a process killed
+        during initdb leaves no half-made directory that looks initialized."""
+        aside = self.data_dir.with_name(f"{self.data_dir.name}.initdb")
+        shutil.rmtree(aside, ignore_errors=True)
+        aside.mkdir(mode=0o700)
+        if owner:
+            os.chown(aside, *owner)
+        self._run("initdb", "-D", str(aside), "-U", SUPERUSER, "--auth=trust", *LOCALE,
+                  owner=owner)  # fmt: skip
+        shutil.rmtree(self.data_dir, ignore_errors=True)  # empty, or a half-made one
+        os.rename(aside, self.data_dir)
 
     def _stale_pid_file_remove(self) -> None:
         """A postmaster.pid whose process is gone blocks nothing: remove it, and the
@@ -195,12 +233,14 @@ class EmbeddedPostgres:
         the server. Safe to call from several processes at once (the lock file)."""
         with self._locked():
             if self.answers():
+                # Started by a process killed before it made the database: make it now.
+                self._database_create()
                 return False
             owner = _system_user()
-            self._prepare(owner)
+            self._var_prepare(owner)
             if not (self.data_dir / "PG_VERSION").exists():
-                self._run("initdb", "-D", str(self.data_dir), "-U", SUPERUSER, "--auth=trust",
-                          *LOCALE, owner=owner)  # fmt: skip
+                self._initdb(owner)
+            self._prepare(owner)
             self._stale_pid_file_remove()
             # Its own session: Ctrl-C in the terminal stops standalone's children, which
             # still write their last state, and not the server under them.

@@ -20,5 +20,10 @@ class DatabaseWrapper(base.DatabaseWrapper):
         except base.Database.OperationalError:
             # Not started yet, stopped, or being started by another process: once it runs
             # (this process starting it, or waiting for the one that does), try again.
-            self.embedded_server.start()
+            try:
+                self.embedded_server.start()
+            except RuntimeError as exc:
+                # A server that cannot start is an outage like any other to the callers,
+                # whose retries and republication catch the driver's OperationalError.
+                raise base.Database.OperationalError(str(exc)) from exc
             return super().get_new_connection(conn_params)

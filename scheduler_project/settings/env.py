@@ -7,7 +7,7 @@ from pathlib import Path
 BASE_DIR = Path(__file__).resolve().parent.parent.parent
 # Embedded defaults keep their files here (the embedded PostgreSQL's data, the filesystem
 # broker), with the secret key and run logs.
-VAR_DIR = Path(os.environ.get("SCHEDULER_VAR_DIR", BASE_DIR / "var"))
+VAR_DIR = Path(os.environ.get("SCHEDULER_VAR_DIR", BASE_DIR / "var")).resolve()
 
 
 def env_str(name: str, default: str) -> str:

@@ -271,3 +271,21 @@ def _up(base: str, headers: dict) -> bool:
         return requests.get(f"{base}/jobs/", headers=headers, timeout=10).status_code == 200
     except requests.RequestException:  # not listening yet, or still starting
         return False
+
+
+def test_two_standalones_started_at_once_cannot_both_claim_var(tmp_path):
+    """The claim is a lock the kernel holds for the process's life, not only a pid file
+    read then written: a second claim meanwhile is refused, even from the same instant."""
+    from django.core.management.base import CommandError
+
+    from dispatch.management.commands.standalone import PidFile
+
+    first, second = PidFile(tmp_path / "standalone.pid"), PidFile(tmp_path / "standalone.pid")
+    first.claim()
+    try:
+        with pytest.raises(CommandError, match="already runs here"):
+            second.claim()
+    finally:
+        first.release()
+    second.claim()  # released: the next start goes ahead
+    second.release()

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import fcntl
 import os
 import secrets
 import signal
@@ -196,6 +197,7 @@ class PidFile:
 
     def __init__(self, path: Path) -> None:
         self.path = path
+        self.lock = None  # the descriptor whose lock says "a standalone runs here"
 
     def _lines(self) -> list[tuple[int, str]]:
         try:
@@ -206,6 +208,15 @@ class PidFile:
         return [(int(fields[0]), fields[1] if len(fields) > 1 else "") for fields in lines]
 
     def claim(self) -> None:
+        # Held while this process lives, released by the kernel however it dies: two
+        # standalones started at the same instant cannot both pass (the children do not
+        # inherit it: Popen closes descriptors).
+        self.lock = os.open(self.path.with_suffix(".lock"), os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(self.lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(self.lock)
+            raise CommandError(f"standalone already runs here ({self.path})") from None
         lines = self._lines()
         if lines:
             pid, command = lines[0]
@@ -233,6 +244,9 @@ class PidFile:
 
     def release(self) -> None:
         self.path.unlink(missing_ok=True)
+        if self.lock is not None:
+            os.close(self.lock)
+            self.lock = None
 
 
 def _die_with_parent(parent: int):
