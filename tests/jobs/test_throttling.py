@@ -3,7 +3,9 @@ admin's login throttled, and counted in the database that every web process shar
 3 gunicorn processes the limit is the limit, not 3 times it."""
 
 import socket
+import time
 from concurrent.futures import ThreadPoolExecutor
+from unittest import mock
 
 import pytest
 import requests
@@ -67,6 +69,23 @@ def test_admin_login_attempts_are_throttled_per_client_address(client, rates, us
     refused = client.post("/admin/login/", {"username": user.username, "password": "pw"})
     assert refused.status_code == 429 and "Retry-After" in refused
     assert client.get("/admin/login/").status_code == 200  # the page itself is not counted
+
+
+def test_the_window_is_the_databases_when_web_processes_clocks_differ(user, rates):
+    """Two web processes, one a day fast, requests alternating: the rate holds. A window
+    taken from each process's clock differs between them, and each hit would start the
+    count over (all 20 allowed)."""
+    rates(user="10/day")
+    true, skewed = api_client(user), api_client(user)
+    fast = mock.patch("time.time", side_effect=lambda real=time.time: real() + 86_400)
+
+    def get(index: int) -> int:
+        if index % 2 == 0:
+            return true.get("/api/v1/runs/").status_code
+        with fast:
+            return skewed.get("/api/v1/runs/").status_code
+
+    assert [get(index) for index in range(20)] == [200] * 10 + [429] * 10
 
 
 def _free_port() -> int:
