@@ -88,28 +88,29 @@ def test_the_window_is_the_databases_when_web_processes_clocks_differ(user, rate
     assert [get(index) for index in range(20)] == [200] * 10 + [429] * 10
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def web_up(port: int) -> bool:
+    try:
+        return requests.get(f"http://127.0.0.1:{port}/healthz", timeout=2).ok
+    except (requests.ConnectionError, requests.Timeout):
+        return False
 
 
 @pytest.mark.slow
 def test_the_limit_holds_across_three_web_processes(stack, user):
     limit = 12
     env = {"SCHEDULER_THROTTLE_RATES": f"user={limit}/day"}
-    ports = [_free_port() for _ in range(3)]
+    ports = [free_port() for _ in range(3)]
     for index, port in enumerate(ports):
         stack.start(f"web{index}", web_argv(host="127.0.0.1", port=port, workers=1), env)
 
-    def up(port: int) -> bool:
-        try:
-            return requests.get(f"http://127.0.0.1:{port}/healthz", timeout=2).ok
-        except (requests.ConnectionError, requests.Timeout):
-            return False
-
     for port in ports:
-        wait_for(lambda port=port: up(port), timeout=60, message=f"web on {port}")
+        wait_for(lambda port=port: web_up(port), timeout=60, message=f"web on {port}")
 
     def get(token: str, index: int) -> int:
         url = f"http://127.0.0.1:{ports[index % 3]}/api/v1/runs/"
