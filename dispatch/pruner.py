@@ -5,6 +5,8 @@
   that is not terminal, nor the newest runs a job's policies need); up to `run_batches` batches of
   `run_batch_size` runs, each in its own transaction, found through run_finished_idx.
 - Idempotency keys older than `jobs.idempotency.IDEMPOTENCY_RETENTION` (24 h).
+- Throttle windows that have ended (`storage.throttle`): one row per scope and user, per
+  client address for the admin's login, deleted once it counts nothing current.
 - Run logs (chunks, their stored content, manifests) of attempts finished more than
   `SCHEDULER_LOG_RETENTION_DAYS` ago (`logs_app.retention.logs_prune`; a running attempt's
   logs never are).
@@ -27,13 +29,15 @@ from jobs.retention import runs_delete
 from logs_app.retention import logs_prune, run_logs_delete
 from logs_app.store import stored_content_delete
 from storage.retention import runs_expired_claim
+from storage.throttle import throttle_windows_delete_ended
 
 from .config import config_require
 
 
 @dataclasses.dataclass(frozen=True)
 class PrunerConfig:
-    batch_size: int = 500  # idempotency keys, and log chunks (then manifests), per call
+    # Idempotency keys, throttle windows, and log chunks (then manifests), per call.
+    batch_size: int = 500
     poll_interval: float = 60.0  # retention is counted in hours and days: no hurry
     # None: the SCHEDULER_LOG_RETENTION_DAYS setting.
     logs_retention_days: int | None = None
@@ -59,6 +63,7 @@ class PrunerResult:
     runs_pruned: int = 0
     run_rows_pruned: int = 0  # runs and their attempts, outbox rows, effects, audit, logs
     idempotency_keys_pruned: int = 0
+    throttle_windows_pruned: int = 0
     logs_pruned: int = 0  # chunks and manifests
     batch_full: bool = False
 
@@ -67,6 +72,7 @@ def pruner_run_once(*, now: dt.datetime, config: PrunerConfig) -> PrunerResult:
     runs, rows, runs_full = _prune_runs(now=now, config=config)
     with transaction.atomic():
         keys = idempotency_prune(now=now, limit=config.batch_size)
+    windows = throttle_windows_delete_ended(now=now, limit=config.batch_size)
     # Not in one transaction: stored content is deleted as it goes, and cannot roll back.
     logs = logs_prune(
         now=now, retention_days=config.logs_retention_days, batch_size=config.batch_size
@@ -75,8 +81,9 @@ def pruner_run_once(*, now: dt.datetime, config: PrunerConfig) -> PrunerResult:
         runs_pruned=runs,
         run_rows_pruned=rows,
         idempotency_keys_pruned=keys,
+        throttle_windows_pruned=windows,
         logs_pruned=logs,
-        batch_full=runs_full or max(keys, logs) >= config.batch_size,
+        batch_full=runs_full or max(keys, windows, logs) >= config.batch_size,
     )
 
 

@@ -507,17 +507,18 @@ class ApiToken(models.Model):
 class ThrottleWindow(models.Model):
     """Requests counted in the current window of one (scope, user) (jobs.throttling): a
     row in the database every web process shares, so N processes allow the rate, not N
-    times it."""
+    times it. The pruner deletes it once its window has ended (storage.throttle)."""
 
     throttle_key = models.CharField(max_length=200, primary_key=True)
-    bucket = models.BigIntegerField()  # the window's number: its start / its length
+    window_ends_at = models.DateTimeField()  # on the database's clock
     hits = models.PositiveIntegerField()
 
     class Meta:
         db_table = "jobs_throttle_window"
+        indexes = [models.Index(fields=["window_ends_at"], name="throttle_window_ends_idx")]
 
     def __str__(self) -> str:
-        return f"{self.throttle_key}: {self.hits} in window {self.bucket}"
+        return f"{self.throttle_key}: {self.hits} in the window ending {self.window_ends_at}"
 
 
 class Tally(models.Model):

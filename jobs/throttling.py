@@ -6,7 +6,10 @@ Not Django's database cache behind DRF's throttles: their sliding log is read an
 back whole (a pickled list of up to 6,000 timestamps at 6,000/min, four statements a
 request), and two processes that read it together each write back their own, losing hits.
 The upsert is one statement and exact under concurrency; a fixed window allows at most
-twice the rate across a window's edge, which is the usual price.
+twice the rate across a window's edge, which is the usual price. Its window is read on the
+database's clock, in the statement: web processes whose clocks differ count in one window.
+The pruner deletes the rows of ended windows (dispatch.pruner), so the table holds the keys
+counted in the current windows, not every user and client address ever seen.
 
 Scopes (REST_FRAMEWORK's DEFAULT_THROTTLE_RATES, overridable with SCHEDULER_THROTTLE_RATES):
 `user` every API request; `bulk`, `backfill` (views with that `throttle_scope`),
@@ -14,8 +17,6 @@ Scopes (REST_FRAMEWORK's DEFAULT_THROTTLE_RATES, overridable with SCHEDULER_THRO
 """
 
 from __future__ import annotations
-
-import time
 
 from django.contrib import admin
 from django.http import HttpResponse
@@ -37,10 +38,9 @@ class SharedWindowThrottle(SimpleRateThrottle):
         key = self.get_cache_key(request, view)
         if key is None:
             return True
-        now = time.time()
-        window = int(now // self.duration)
-        allowed = throttle_hit(key=key, window=window) <= self.num_requests
-        self._wait = None if allowed else (window + 1) * self.duration - now
+        hit = throttle_hit(key=key, window_seconds=self.duration)
+        allowed = hit.hits <= self.num_requests
+        self._wait = None if allowed else hit.retry_after
         return allowed
 
     def wait(self) -> float | None:

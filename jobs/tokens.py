@@ -16,7 +16,6 @@ import secrets
 
 from django.conf import settings
 from django.contrib.auth.models import AbstractBaseUser
-from django.utils import timezone
 from rest_framework import authentication, exceptions
 
 from storage.tokens import token_owner
@@ -37,7 +36,8 @@ def token_create(
     name: str = "",
     ttl: dt.timedelta | None = None,
 ) -> tuple[ApiToken, str]:
-    """A new token of `owner` and its key (the only time the key exists in clear). `ttl`:
+    """A new token of `owner` and its key (the only time the key exists in clear), created
+    at `now` (the database's clock, `jobs.clock.db_now`, against which it expires). `ttl`:
     its lifetime (default SCHEDULER_TOKEN_TTL_DAYS; 0 days: no expiry)."""
     if ttl is None and settings.SCHEDULER_TOKEN_TTL_DAYS:
         ttl = dt.timedelta(days=settings.SCHEDULER_TOKEN_TTL_DAYS)
@@ -58,17 +58,19 @@ def tokens_revoke(*, tokens, now: dt.datetime) -> int:
     return tokens.filter(revoked_at=None).update(revoked_at=now)
 
 
-def token_user(*, key: str, now: dt.datetime) -> AbstractBaseUser | None:
-    """The active user whose live (unrevoked, unexpired) token `key` is, else None."""
+def token_user(*, key: str, now: dt.datetime | None = None) -> AbstractBaseUser | None:
+    """The active user whose live (unrevoked, unexpired at `now`; None: on the database's
+    clock) token `key` is, else None."""
     owner = token_owner(digest=token_digest(key), now=now)
     return owner if owner is not None and owner.is_active else None
 
 
 class TokenAuthentication(authentication.TokenAuthentication):
-    """DRF's `Authorization: Token <key>` header, checked against the hashed tokens."""
+    """DRF's `Authorization: Token <key>` header, checked against the hashed tokens; expiry
+    judged on the database's clock, as every process's leases and due times are."""
 
     def authenticate_credentials(self, key):
-        user = token_user(key=key, now=timezone.now())
+        user = token_user(key=key)
         if user is None:
             raise exceptions.AuthenticationFailed("Invalid, expired or revoked token.")
         return user, None

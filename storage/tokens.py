@@ -28,7 +28,7 @@ def _owner_query() -> tuple[type[AbstractBaseUser], str, list[str], list[tuple[i
         f"SELECT {columns} FROM jobs_api_token AS t "
         f"JOIN {quote(user._meta.db_table)} AS u ON u.{quote(user._meta.pk.column)} = t.owner_id "
         "WHERE t.digest = %s AND t.revoked_at IS NULL "
-        "AND (t.expires_at IS NULL OR t.expires_at > %s)"
+        "AND (t.expires_at IS NULL OR t.expires_at > COALESCE(%s::timestamptz, clock_timestamp()))"
     )
     converters = [
         (index, found)
@@ -38,10 +38,11 @@ def _owner_query() -> tuple[type[AbstractBaseUser], str, list[str], list[tuple[i
     return user, sql, [field.attname for field in fields], converters
 
 
-def token_owner(*, digest: str, now: dt.datetime) -> AbstractBaseUser | None:
+def token_owner(*, digest: str, now: dt.datetime | None = None) -> AbstractBaseUser | None:
     """The owner (an instance of the user model, active or not) of the token whose key's
-    SHA-256 is `digest`, if that token is live at `now`: not revoked, and its expiry (if
-    any) after `now`. One indexed lookup (the digest is unique) joined to the user's row;
+    SHA-256 is `digest`, if that token is live at `now` (None: the database's clock, read
+    in the statement, never a web process's own): not revoked, and its expiry (if any)
+    after `now`. One indexed lookup (the digest is unique) joined to the user's row;
     reads in the caller's transaction (or autocommit) and takes no lock."""
     user, sql, fields, converters = _owner_query()
     row = fetch_one(sql, [digest, now])

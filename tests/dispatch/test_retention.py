@@ -14,6 +14,7 @@ from django.core.files.storage import storages
 from django.db import connection, transaction
 
 from dispatch.pruner import PrunerConfig, pruner_run_once
+from jobs.clock import db_now
 from jobs.models import (
     Attempt,
     AttemptState,
@@ -24,11 +25,13 @@ from jobs.models import (
     OutboxMessage,
     Run,
     RunState,
+    ThrottleWindow,
 )
 from jobs.services import job_trigger
 from logs_app.models import LogChunk, LogManifest
 from scheduler_project.settings.env import env_days
 from storage.retention import EXPIRED_RUNS
+from storage.throttle import throttle_hit
 from tests import factories
 from tests.factories import make_job
 from tests.logs.test_retention import attempt_with_logs, stored_names
@@ -177,6 +180,32 @@ def test_runs_go_in_bounded_batches_oldest_first(user):
     second = pruner_run_once(now=NOW, config=config)
     assert (second.runs_pruned, second.batch_full) == (3, False)  # the newest stays
     assert [exists(run) for run in runs] == [False] * 7 + [True]
+
+
+@pytest.mark.django_db
+def test_the_throttle_table_holds_the_current_windows_not_every_key_ever_seen():
+    """Login attempts from ever new addresses (one row each): the pruner deletes each ended
+    window's rows, in batches of `batch_size`, so the table never holds more than the
+    keys of one window however many went before."""
+    config = PrunerConfig(batch_size=100)
+    sizes, batches = [], []
+    for round_ in range(5):
+        for address in range(250):
+            throttle_hit(key=f"throttle_admin_login_10.{round_}.0.{address}", window_seconds=60)
+        sizes.append(ThrottleWindow.objects.count())
+        after_the_window = db_now() + dt.timedelta(seconds=61)
+        while True:  # as the loop does: at once again while a batch was full
+            result = pruner_run_once(now=after_the_window, config=config)
+            batches.append(result.throttle_windows_pruned)
+            if not result.batch_full:
+                break
+    assert sizes == [250] * 5  # not 250, 500, ... 1,250
+    assert ThrottleWindow.objects.count() == 0
+    assert max(batches) == 100 and sum(batches) == 1250
+    # A window not ended yet stays, its count with it.
+    throttle_hit(key="throttle_user_1", window_seconds=86_400)
+    assert pruner_run_once(now=db_now(), config=config).throttle_windows_pruned == 0
+    assert ThrottleWindow.objects.get().hits == 1
 
 
 @pytest.mark.django_db(transaction=True)

@@ -1,7 +1,8 @@
 """Processes whose clocks are wrong (libfaketime): a scheduler and a relay 5 minutes fast, a
 worker 5 minutes slow. No run is created or started before it is due on the database's
 clock, none is lost, no lease is taken from the slow worker (every attempt succeeds, none
-is reaped), and /metrics shows each process's skew."""
+is reaped), and /metrics shows each process's skew. Web processes a day apart throttle and
+expire tokens as the database's clock says."""
 
 from __future__ import annotations
 
@@ -9,16 +10,21 @@ import datetime as dt
 import shutil
 import sys
 import time
+from email.utils import parsedate_to_datetime
 
 import pytest
+import requests
 from django.db.models import Q
 
 from dispatch.commands import worker_argv
+from dispatch.management.commands.standalone import web_argv
 from jobs.clock import db_now
 from jobs.models import Attempt, AttemptState, Run, RunState
+from jobs.tokens import token_create
 from tests import factories
 from tests.faults.helpers import counter
 from tests.jobs.test_metrics import scrape
+from tests.jobs.test_throttling import free_port, web_up
 from tests.processes import wait_for
 
 pytestmark = [
@@ -116,3 +122,46 @@ def test_fast_scheduler_and_relay_slow_worker_run_nothing_early_and_steal_no_lea
     assert seen["scheduler"] == pytest.approx(SKEW, abs=2)
     assert seen["relay"] == pytest.approx(SKEW, abs=2)
     assert seen["worker"] == pytest.approx(-SKEW, abs=2)
+
+
+def test_web_processes_a_day_apart_throttle_and_expire_tokens_on_the_databases_clock(stack):
+    """Two gunicorn processes, one a day fast and one a day slow (libfaketime), requests
+    alternating: the rate is the rate (each process's own clock would put every request in
+    a new window: all allowed), and a token lives exactly as long as the database's clock
+    says on both (the fast one refusing a live token, the slow one taking an expired one)."""
+    limit, day = 10, 86_400
+    ports = {"fast": free_port(), "slow": free_port()}
+    for name, seconds in (("fast", day), ("slow", -day)):
+        argv = web_argv(host="127.0.0.1", port=ports[name], workers=1)
+        # Monotonic faked too: gunicorn's sleeps fail under the wall clock alone (EINVAL),
+        # and a sync worker waits on no Event.
+        stack.start(
+            name,
+            ["faketime", "-f", f"{seconds:+d}", *argv],
+            {"SCHEDULER_THROTTLE_RATES": f"user={limit}/day"},
+        )
+    for name, port in ports.items():
+        wait_for(lambda port=port: web_up(port), timeout=60, message=f"the {name} web")
+
+    def answer(name: str, token: str) -> requests.Response:
+        url = f"http://127.0.0.1:{ports[name]}/api/v1/runs/"
+        return requests.get(url, headers={"Authorization": f"Token {token}"}, timeout=30)
+
+    def get(name: str, token: str) -> int:
+        return answer(name, token).status_code
+
+    # Their clocks are off indeed: gunicorn dates its answers with its own.
+    for name, seconds in (("fast", day), ("slow", -day)):
+        dated = parsedate_to_datetime(answer(name, "none").headers["Date"])
+        assert (dated - db_now()).total_seconds() == pytest.approx(seconds, abs=60)
+
+    owner = factories.owner()
+    token = factories.token_for(owner)
+    answers = [get(("fast", "slow")[index % 2], token) for index in range(2 * limit)]
+    assert answers == [200] * limit + [429] * limit
+
+    now, hour = db_now(), dt.timedelta(hours=1)
+    live = token_create(owner=factories.owner("live"), now=now, ttl=hour)[1]
+    expired = token_create(owner=factories.owner("expired"), now=now - 2 * hour, ttl=hour)[1]
+    assert (get("fast", live), get("slow", live)) == (200, 200)
+    assert (get("fast", expired), get("slow", expired)) == (401, 401)

@@ -3,7 +3,9 @@ admin's login throttled, and counted in the database that every web process shar
 3 gunicorn processes the limit is the limit, not 3 times it."""
 
 import socket
+import time
 from concurrent.futures import ThreadPoolExecutor
+from unittest import mock
 
 import pytest
 import requests
@@ -69,28 +71,46 @@ def test_admin_login_attempts_are_throttled_per_client_address(client, rates, us
     assert client.get("/admin/login/").status_code == 200  # the page itself is not counted
 
 
-def _free_port() -> int:
+def test_the_window_is_the_databases_when_web_processes_clocks_differ(user, rates):
+    """Two web processes, one a day fast, requests alternating: the rate holds. A window
+    taken from each process's clock differs between them, and each hit would start the
+    count over (all 20 allowed)."""
+    rates(user="10/day")
+    true, skewed = api_client(user), api_client(user)
+    fast = mock.patch("time.time", side_effect=lambda real=time.time: real() + 86_400)
+
+    def get(index: int) -> int:
+        if index % 2 == 0:
+            return true.get("/api/v1/runs/").status_code
+        with fast:
+            return skewed.get("/api/v1/runs/").status_code
+
+    assert [get(index) for index in range(20)] == [200] * 10 + [429] * 10
+
+
+def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def web_up(port: int) -> bool:
+    try:
+        return requests.get(f"http://127.0.0.1:{port}/healthz", timeout=2).ok
+    except (requests.ConnectionError, requests.Timeout):
+        return False
 
 
 @pytest.mark.slow
 def test_the_limit_holds_across_three_web_processes(stack, user):
     limit = 12
     env = {"SCHEDULER_THROTTLE_RATES": f"user={limit}/day"}
-    ports = [_free_port() for _ in range(3)]
+    ports = [free_port() for _ in range(3)]
     for index, port in enumerate(ports):
         stack.start(f"web{index}", web_argv(host="127.0.0.1", port=port, workers=1), env)
 
-    def up(port: int) -> bool:
-        try:
-            return requests.get(f"http://127.0.0.1:{port}/healthz", timeout=2).ok
-        except (requests.ConnectionError, requests.Timeout):
-            return False
-
     for port in ports:
-        wait_for(lambda port=port: up(port), timeout=60, message=f"web on {port}")
+        wait_for(lambda port=port: web_up(port), timeout=60, message=f"web on {port}")
 
     def get(token: str, index: int) -> int:
         url = f"http://127.0.0.1:{ports[index % 3]}/api/v1/runs/"

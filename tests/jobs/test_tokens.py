@@ -143,3 +143,21 @@ def test_token_user_is_the_stored_user_and_expiry_is_exclusive(user):
     assert token_user(key=expiring, now=just_before) == stored
     assert token_user(key=expiring, now=just_before.astimezone(plus_five)) == stored
     assert _client(forever).get(JOBS).status_code == 200
+
+
+@pytest.mark.django_db
+def test_expiry_is_judged_on_the_databases_clock_not_the_web_processes(user, monkeypatch):
+    """A web process two hours fast refuses no live token, one two hours slow takes no
+    expired one: the database's clock decides, as it does for every process."""
+    from django.utils import timezone
+
+    from jobs.clock import db_now
+
+    now, hour = db_now(), dt.timedelta(hours=1)
+    _, live = token_create(owner=user, now=now, ttl=hour)
+    _, expired = token_create(owner=user, now=now - 2 * hour, ttl=hour)
+    real = timezone.now
+    monkeypatch.setattr(timezone, "now", lambda: real() + 2 * hour)
+    assert _client(live).get(JOBS).status_code == 200
+    monkeypatch.setattr(timezone, "now", lambda: real() - 2 * hour)
+    assert _client(expired).get(JOBS).status_code == 401

@@ -37,9 +37,9 @@ from django.contrib.auth import get_user_model
 from django.core.management import call_command
 from django.core.management.base import BaseCommand, CommandError
 from django.db import connection
-from django.utils import timezone
 
 from dispatch.commands import worker_argv
+from jobs.clock import db_now
 from jobs.tokens import token_create, tokens_revoke
 
 STOP_GRACE_SECONDS = 20
@@ -163,7 +163,7 @@ class Command(BaseCommand):
             password = secrets.token_urlsafe(12)
             admin = users.objects.create_superuser("admin", "admin@localhost", password)
         api_user, _ = users.objects.get_or_create(username=STANDALONE_API_USER)
-        now = timezone.now()
+        now = db_now()  # the clock tokens expire against
         tokens_revoke(tokens=api_user.api_tokens.filter(name="standalone"), now=now)
         _, key = token_create(owner=api_user, now=now, name="standalone")
         return admin.get_username(), password, api_user.get_username(), key

@@ -5,8 +5,8 @@ import datetime as dt
 
 from django.contrib.auth import get_user_model
 from django.core.management.base import BaseCommand, CommandError
-from django.utils import timezone
 
+from jobs.clock import db_now
 from jobs.tokens import token_create, tokens_revoke
 
 
@@ -37,7 +37,7 @@ class Command(BaseCommand):
             raise CommandError(f"no user named {username!r}") from exc
         if expires_in_days is not None and expires_in_days < 0:
             raise CommandError("--expires-in-days must be 0 (never) or more")
-        now = timezone.now()
+        now = db_now()  # the clock tokens expire against
         if reset:
             tokens_revoke(tokens=user.api_tokens.all(), now=now)
         ttl = None if expires_in_days is None else dt.timedelta(days=expires_in_days)
