@@ -22,6 +22,7 @@ from django.http import HttpRequest, HttpResponse, HttpResponseForbidden
 from django.shortcuts import render
 
 from jobs.clock import db_now
+from jobs.lanes import lane_queue
 from jobs.models import (
     Attempt,
     AttemptState,
@@ -131,13 +132,17 @@ def _throughput_chart(runs: list[dict], since: dt.datetime):
 
 
 def _queues() -> list[QueueFigures]:
+    """Each Celery queue a run travels in, lanes apart (`<queue>.backfill`): the outbox
+    rows name it, the queued runs are counted by their job's queue and their kind."""
     pending = dict(OutboxMessage.objects.values_list("queue").annotate(n=Count("id")).order_by())
-    queued = dict(
+    queued: dict[str, int] = defaultdict(int)
+    for queue, kind, n in (
         Run.objects.filter(state=RunState.QUEUED)
-        .values_list("job__queue")
+        .values_list("job__queue", "kind")
         .annotate(n=Count("id"))
         .order_by()
-    )
+    ):
+        queued[lane_queue(queue, kind)] += n
     names = sorted(
         {*getattr(settings, "SCHEDULER_QUEUES", []), settings.SCHEDULER_DEFAULT_QUEUE}
         | pending.keys()

@@ -9,7 +9,7 @@ import uuid
 from django.conf import settings
 from django.core.validators import MinValueValidator
 from django.db import models
-from django.db.models import Q
+from django.db.models import F, Q
 from django.db.models.functions import Now
 from django.utils import timezone
 
@@ -228,6 +228,30 @@ class Run(models.Model):
 
     def __str__(self) -> str:
         return f"run {self.id} of {self.job_id} at {self.scheduled_for:%Y-%m-%d %H:%M:%S}"
+
+
+class BackfilledOccurrences(models.Model):
+    """Occurrences of a job that a backfill has run, kept after retention deletes their
+    runs so that no backfill runs one twice (jobs.services.job_backfill; docs/semantics.md,
+    "Backfill"): the instants `first`, `first + step`, ... up to `last` inclusive (one
+    instant: `step` zero). A backfill of a regular schedule is one row (an hour's cron
+    over a year: one row, or one per DST change), however many runs it made."""
+
+    job = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="+", db_index=False)
+    first = models.DateTimeField()
+    last = models.DateTimeField()
+    step = models.DurationField()
+
+    class Meta:
+        indexes = [models.Index(fields=["job", "last"], name="backfilled_job_last_idx")]
+        constraints = [
+            models.CheckConstraint(
+                condition=Q(first__lte=F("last")), name="backfilled_first_not_after_last"
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.job_id}: {self.first:%Y-%m-%d %H:%M:%S} .. {self.last:%Y-%m-%d %H:%M:%S}"
 
 
 class Attempt(models.Model):

@@ -1,6 +1,5 @@
 """Retention of finished runs (docs/operations.md, "Retention"): their deletion with what
-hangs off them in this layer (attempts, outbox rows, effects, audit events), counted in
-scheduler_dead_letter_total when they had failed. Which runs may go is
+hangs off them in this layer (attempts, outbox rows, effects, audit events). Which runs may go is
 storage.retention's rule (`runs_expired_claim`); run logs are logs_app's
 (`logs_app.retention.run_logs_delete`); the pruner (dispatch.pruner) deletes both in one
 transaction.
@@ -12,41 +11,11 @@ stay: they grow with a job's edits, not with its runs.
 
 from __future__ import annotations
 
-from django.db import IntegrityError, transaction
-from django.db.models import F
-
 from storage.retention import runs_delete_terminal
-
-from .models import Tally
-
-# Failed runs deleted by retention, which scheduler_dead_letter_total adds to those kept:
-# a row of jobs_tally (shard 0), so that /metrics reads it in the same statement, and the
-# same snapshot, as the failed runs' tally (a prune between two reads would make the
-# counter drop for one scrape, which Prometheus takes for a reset).
-DEAD_LETTER_PRUNED = "scheduler_dead_letter_pruned"
-
-
-def _dead_letter_pruned_add(count: int) -> None:
-    """Add `count` in the caller's transaction (the prune's)."""
-    if Tally.objects.filter(name=DEAD_LETTER_PRUNED, labels="", shard=0).update(
-        count=F("count") + count
-    ):
-        return
-    try:
-        with transaction.atomic():
-            Tally.objects.create(name=DEAD_LETTER_PRUNED, labels="", shard=0, count=count)
-    except IntegrityError:  # another pruner created it first
-        Tally.objects.filter(name=DEAD_LETTER_PRUNED, labels="", shard=0).update(
-            count=F("count") + count
-        )
 
 
 def runs_delete(*, run_ids: list) -> int:
     """Delete these runs with their attempts, outbox rows, effects and audit events, in the
     caller's transaction (their logs first: logs_app.retention.run_logs_delete); the number
     of rows deleted. Only terminal runs go, whatever the ids (storage.retention)."""
-    deleted = runs_delete_terminal(run_ids=run_ids)
-    # scheduler_dead_letter_total counts failed runs: those pruned stay counted.
-    if deleted.failed:
-        _dead_letter_pruned_add(deleted.failed)
-    return deleted.rows
+    return runs_delete_terminal(run_ids=run_ids)

@@ -26,7 +26,6 @@ from .models import (
     Run,
 )
 from .redaction import redact_change, redact_value
-from .retention import DEAD_LETTER_PRUNED
 from .roles import user_is_operator
 from .services import spec_diff
 
@@ -158,8 +157,6 @@ def job_history(*, job: Job, redacted: bool = False) -> dict:
 
 # -- the operator's figures (/metrics, the dashboard): the whole system, no user scope ----
 
-# The key of runs_by_state_and_backlog's count of failed runs pruned (not a run state).
-PRUNED_FAILED = "pruned_failed"
 # A tally's or a counter's labels as stored: `kind="effect"`, `state="queued"`.
 LABEL = re.compile(r'(\w+)="([^"]*)"')
 # The tallies the triggers keep of the runs by state and of the outbox backlog.
@@ -195,16 +192,18 @@ def oldest_pending_outbox() -> QuerySet:
 
 def runs_by_state_and_backlog() -> tuple[dict[str, int], int]:
     """(runs by state, outbox rows pending): the tallies the triggers keep, summed over the
-    shards (a few dozen rows, however many runs). Under PRUNED_FAILED, the failed runs
-    retention deleted, read in the same snapshot as the failed runs
-    (scheduler_dead_letter_total must never go back)."""
-    rows = tallies_sum(names=[RUN_TALLY, BACKLOG_TALLY, DEAD_LETTER_PRUNED])
-    runs, backlog = {PRUNED_FAILED: 0}, 0
+    shards (a few dozen rows, however many runs)."""
+    rows = tallies_sum(names=[RUN_TALLY, BACKLOG_TALLY])
+    runs, backlog = {}, 0
     for name, labels, count, _total in rows:
         if name == BACKLOG_TALLY:
             backlog = int(count)
-        elif name == DEAD_LETTER_PRUNED:
-            runs[PRUNED_FAILED] = int(count)
         else:
             runs[dict(LABEL.findall(labels))["state"]] = int(count)
     return runs, backlog
+
+
+def dead_letters_total() -> int:
+    """Runs that ended failed, ever: counted by a trigger as each one fails, so a replay
+    or retention's delete never lowers it (scheduler_dead_letter_total)."""
+    return sum(row.count for row in tallies_sum(names=[tallies.DEAD_LETTERS]))

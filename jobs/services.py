@@ -18,7 +18,15 @@ from . import keys
 from .audit import audit_event, audit_record
 from .clock import db_now
 from .counters import counter_increment
-from .models import Job, JobState, JobVersion, Run, RunKind, RunState
+from .models import (
+    BackfilledOccurrences,
+    Job,
+    JobState,
+    JobVersion,
+    Run,
+    RunKind,
+    RunState,
+)
 from .notify import CHANNEL_SCHEDULE, notify
 from .outbox import outbox_discard_pending, outbox_enqueue_runs
 from .schedules import job_first_fire, job_next_fire, job_resume_point
@@ -372,18 +380,24 @@ def job_trigger(*, job: Job, actor: AbstractBaseUser, now: dt.datetime) -> Run |
     return run
 
 
+NO_STEP = dt.timedelta(0)  # BackfilledOccurrences.step of a single instant
+
+
 @dataclasses.dataclass(frozen=True)
 class BackfillResult:
     created: list[Run]
     existing: list[Run]
+    # Instants an earlier backfill ran whose runs retention has deleted since: not again.
+    pruned: list[dt.datetime]
 
 
 def job_backfill(
     *, job: Job, instants: list[dt.datetime], actor: AbstractBaseUser, now: dt.datetime
 ) -> BackfillResult | None:
-    """One `backfill` run per instant, queued now; an instant that already has its backfill
-    run keeps it (the job's row lock serializes backfills, `run_one_backfill_per_occurrence`
-    is the backstop). None when the job is not live."""
+    """One `backfill` run per instant, queued now, unless a backfill ran that occurrence
+    before: its run kept (`existing`), or deleted by retention since (`pruned`: the job's
+    BackfilledOccurrences remember it). The job's row lock serializes backfills,
+    `run_one_backfill_per_occurrence` is the backstop. None when the job is not live."""
     with transaction.atomic():
         locked = _lock_live_job(job)
         if locked is None:
@@ -392,6 +406,7 @@ def job_backfill(
             Run.objects.filter(job=locked, kind=RunKind.BACKFILL, scheduled_for__in=instants)
         )
         have = {run.scheduled_for for run in existing}
+        remembered = _backfilled(job=locked, instants=instants)
         version = _current_version(locked)
         created = [
             Run(
@@ -405,10 +420,13 @@ def job_backfill(
                 idempotency_key=keys.backfill_key(job.id, at),
             )
             for at in instants
-            if at not in have
+            if at not in have and at not in remembered
         ]
         Run.objects.bulk_create(created)
         outbox_enqueue_runs(runs=created, now=now)
+        # The runs made now, and those kept from before this memory existed.
+        _backfilled_add(job=locked, instants=[at for at in instants if at not in remembered])
+        pruned = [at for at in instants if at in remembered and at not in have]
         audit_record(
             action="job.backfilled",
             actor=actor,
@@ -418,9 +436,39 @@ def job_backfill(
                 "end": instants[-1].isoformat() if instants else None,
                 "created": len(created),
                 "existing": len(existing),
+                "pruned": len(pruned),
             },
         )
-    return BackfillResult(created=created, existing=existing)
+    return BackfillResult(created=created, existing=existing, pruned=pruned)
+
+
+def _backfilled(*, job: Job, instants: list[dt.datetime]) -> set[dt.datetime]:
+    """Those of `instants` that the job's BackfilledOccurrences hold."""
+    if not instants:
+        return set()
+    spans = BackfilledOccurrences.objects.filter(
+        job=job, last__gte=min(instants), first__lte=max(instants)
+    ).values_list("first", "last", "step")
+    return {
+        at
+        for at in instants
+        for first, last, step in spans
+        if first <= at <= last and (at == first or (step and (at - first) % step == NO_STEP))
+    }
+
+
+def _backfilled_add(*, job: Job, instants: list[dt.datetime]) -> None:
+    """Remember `instants` as backfilled: each run of evenly spaced ones in one row."""
+    spans: list[list] = []  # [first, last, step]
+    for at in sorted(set(instants)):
+        if spans and (spans[-1][2] == NO_STEP or at - spans[-1][1] == spans[-1][2]):
+            spans[-1][1:] = [at, at - spans[-1][1]]
+        else:
+            spans.append([at, at, NO_STEP])
+    BackfilledOccurrences.objects.bulk_create(
+        BackfilledOccurrences(job=job, first=first, last=last, step=step)
+        for first, last, step in spans
+    )
 
 
 def job_pause_if_failing(*, job: Job, now: dt.datetime) -> bool:

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import datetime as dt
 import uuid
-from typing import NamedTuple
 
 from .sql import execute, fetch_all
 
@@ -65,11 +64,6 @@ SELECT r.id FROM {RUN} r JOIN {JOB} j ON j.id = r.job_id
  LIMIT %(limit)s"""
 
 
-class RunsDeleted(NamedTuple):
-    rows: int  # runs and every row that referred to them
-    failed: int  # of the runs deleted, those that had failed
-
-
 def runs_expired_claim(*, cutoff: dt.datetime, limit: int) -> list[uuid.UUID]:
     """The ids of up to `limit` runs finished before `cutoff` that may go (module
     docstring), oldest first, read through run_finished_idx and locked FOR UPDATE OF the
@@ -81,7 +75,7 @@ def runs_expired_claim(*, cutoff: dt.datetime, limit: int) -> list[uuid.UUID]:
     return [row[0] for row in rows]
 
 
-def runs_delete_terminal(*, run_ids: list[uuid.UUID]) -> RunsDeleted:
+def runs_delete_terminal(*, run_ids: list[uuid.UUID]) -> int:
     """Delete the terminal runs of `run_ids` (others stay, whatever the ids) with their
     attempts, outbox rows, effects, ActiveRun rows and audit events, in the caller's
     transaction; a run's logs are logs_app's, deleted first. An operator's action on the
@@ -89,19 +83,16 @@ def runs_delete_terminal(*, run_ids: list[uuid.UUID]) -> RunsDeleted:
     stays: it only loses the link to the run. Row locks on every row deleted or unlinked.
     Plain DELETEs: these are all the tables that refer to a run or an attempt."""
     if not run_ids:
-        return RunsDeleted(0, 0)
+        return 0
     marks = ", ".join(["%s"] * len(run_ids))
-    rows = fetch_all(
-        f"SELECT id, state FROM {RUN} WHERE id IN ({marks}) AND state IN {TERMINAL}", run_ids
-    )
-    doomed = [run_id for run_id, _ in rows]
+    rows = fetch_all(f"SELECT id FROM {RUN} WHERE id IN ({marks}) AND state IN {TERMINAL}", run_ids)
+    doomed = [run_id for (run_id,) in rows]
     if not doomed:
-        return RunsDeleted(0, 0)
-    failed = sum(state == "failed" for _, state in rows)
+        return 0
     marks = ", ".join(["%s"] * len(doomed))
     execute(f"UPDATE {AUDIT} SET run_id = NULL WHERE run_id IN ({marks}) AND action LIKE 'job.%%'",
             doomed)  # fmt: skip
     deleted = 0
     for table, column in RUN_ROWS:
         deleted += execute(f"DELETE FROM {table} WHERE {column} IN ({marks})", doomed)
-    return RunsDeleted(rows=deleted, failed=failed)
+    return deleted

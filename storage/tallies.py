@@ -9,11 +9,14 @@ alike.
 - `STAGE_HISTOGRAMS`: the stage lags, the run duration (histograms of fixed BUCKETS) and
   the attempts by outcome (`scheduler_attempts_total`), by row triggers on jobs_run and
   jobs_attempt.
+- `DEAD_LETTER_TALLY`: runs as they end failed (`scheduler_dead_letter_total`), by a row
+  trigger on jobs_run: a counter that a replay or retention never lowers.
 - `STATE_TALLIES`: the runs by state (`scheduler_runs`) and the outbox backlog
   (`scheduler_outbox_backlog`), by statement triggers with transition tables, started from
   the rows already there.
 
-Both are installed by jobs/migrations/0002_tally_triggers.py.
+The histograms and state tallies are installed by jobs/migrations/0002_tally_triggers.py,
+the dead letters by 0006_dead_letter_tally.py.
 """
 
 from .ddl import Ddl
@@ -31,6 +34,9 @@ RUN_DURATION = "scheduler_run_duration_seconds"
 ATTEMPTS = "scheduler_attempts_total"
 RUNS_BY_STATE = "scheduler_runs"
 OUTBOX_BACKLOG = "scheduler_outbox_backlog"
+DEAD_LETTERS = "scheduler_dead_letter_total"
+# Before DEAD_LETTERS: the failed runs retention deleted, added to the failed runs kept.
+DEAD_LETTERS_PRUNED = "scheduler_dead_letter_pruned"
 
 RUN_TABLE = "jobs_run"
 ATTEMPT_TABLE = "jobs_attempt"
@@ -165,6 +171,48 @@ DROP FUNCTION scheduler_runs_inserted();
 DELETE FROM {TALLY_TABLE}
  WHERE name IN ('{DISCOVERY_LAG}', '{PUBLISH_LAG}', '{QUEUE_WAIT}', '{RUN_DURATION}',
                 '{ATTEMPTS}');
+""",
+)
+
+
+# -- the dead letters --------------------------------------------------------------------
+
+RUN_FAILED = "OLD.state <> 'failed' AND NEW.state = 'failed'"  # runs are never inserted failed
+
+# Counted as each run ends failed, not as the failed runs present: a replay (failed ->
+# queued) or retention's delete would lower that count, which Prometheus takes for a
+# counter reset. Started, under a lock that holds off every run's change, from the failed
+# runs there and those retention had deleted (the tally that counted them goes); the drop
+# puts that tally back, so the way down reads the same figure.
+DEAD_LETTER_TALLY = Ddl(
+    create=f"""
+LOCK TABLE {RUN_TABLE} IN SHARE ROW EXCLUSIVE MODE;
+INSERT INTO {TALLY_TABLE} (name, labels, shard, count, total)
+SELECT '{DEAD_LETTERS}', '', 0,
+       (SELECT count(*) FROM {RUN_TABLE} WHERE state = 'failed')
+       + (SELECT COALESCE(sum(count), 0) FROM {TALLY_TABLE}
+           WHERE name = '{DEAD_LETTERS_PRUNED}'), 0;
+DELETE FROM {TALLY_TABLE} WHERE name = '{DEAD_LETTERS_PRUNED}';
+
+CREATE FUNCTION scheduler_run_failed() RETURNS trigger LANGUAGE plpgsql
+    SET plan_cache_mode = force_generic_plan AS $$
+{DECLARE}
+BEGIN{_add(DEAD_LETTERS, "''", total="0")}
+    RETURN NULL;
+END $$;
+CREATE TRIGGER run_failed_dead_letter AFTER UPDATE OF state ON {RUN_TABLE} FOR EACH ROW
+    WHEN ({RUN_FAILED})
+    EXECUTE FUNCTION scheduler_run_failed();
+""",
+    drop=f"""
+LOCK TABLE {RUN_TABLE} IN SHARE ROW EXCLUSIVE MODE;
+DROP TRIGGER run_failed_dead_letter ON {RUN_TABLE};
+DROP FUNCTION scheduler_run_failed();
+INSERT INTO {TALLY_TABLE} (name, labels, shard, count, total)
+SELECT '{DEAD_LETTERS_PRUNED}', '', 0,
+       GREATEST((SELECT COALESCE(sum(count), 0) FROM {TALLY_TABLE} WHERE name = '{DEAD_LETTERS}')
+                - (SELECT count(*) FROM {RUN_TABLE} WHERE state = 'failed'), 0), 0;
+DELETE FROM {TALLY_TABLE} WHERE name = '{DEAD_LETTERS}';
 """,
 )
 

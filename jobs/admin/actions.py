@@ -200,7 +200,7 @@ def backfill_jobs(modeladmin, request, queryset):
         return TemplateResponse(
             request, "admin/jobs/job/backfill.html", context, status=400 if form.is_bound else 200
         )
-    refused, created, existing = defaultdict(list), 0, 0
+    refused, created, existing, pruned = defaultdict(list), 0, 0, 0
     for job in selected:
         try:
             instants = backfill_instants(job=job, **form.cleaned_data)
@@ -215,8 +215,10 @@ def backfill_jobs(modeladmin, request, queryset):
             continue
         created += len(result.created)
         existing += len(result.existing)
+        pruned += len(result.pruned)
+    gone = f", {pruned} ran before and were pruned" if pruned else ""
     _report(modeladmin, request, verb="Backfilled", selected=selected, refused=refused,
-            extra=f" ({created} runs created, {existing} already existed)")  # fmt: skip
+            extra=f" ({created} runs created, {existing} already existed{gone})")  # fmt: skip
     return _back(request)
 
 

@@ -284,6 +284,11 @@ class BackfillOutput(serializers.Serializer):
     existing = serializers.ListField(
         child=serializers.UUIDField(), help_text="Runs an earlier backfill already created."
     )
+    pruned = serializers.ListField(
+        child=serializers.DateTimeField(),
+        help_text="Occurrences an earlier backfill ran whose runs retention has deleted since: "
+        "not run again.",
+    )
 
 
 class JobBackfillApi(APIView):
@@ -320,6 +325,7 @@ class JobBackfillApi(APIView):
                 {
                     "created": [r.id for r in result.created],
                     "existing": [r.id for r in result.existing],
+                    "pruned": result.pruned,
                 }
             ).data
             return Answer(status.HTTP_201_CREATED, body)

@@ -31,7 +31,7 @@ from ..models import (
 )
 from ..selectors import (
     LABEL,
-    PRUNED_FAILED,
+    dead_letters_total,
     oldest_overdue_seconds,
     oldest_pending_outbox,
     runs_by_state_and_backlog,
@@ -141,8 +141,8 @@ class DatabaseCollector:
         runs_by_state, backlog = runs_by_state_and_backlog()
         yield CounterMetricFamily(
             "scheduler_dead_letter",
-            "Runs that ended failed (the dead-letter view), pruned ones included.",
-            value=runs_by_state.get(RunState.FAILED, 0) + runs_by_state.get(PRUNED_FAILED, 0),
+            "Times a run ended failed (the dead-letter view), replayed and pruned ones included.",
+            value=dead_letters_total(),
         )
         yield GaugeMetricFamily(
             "scheduler_outbox_backlog", "Outbox rows not yet published.", value=backlog

@@ -10,7 +10,9 @@ from django.contrib.auth import get_user_model
 from django.contrib.auth.models import Group
 from django.test import Client
 
+from dispatch.dashboard import dashboard_figures
 from jobs.counters import counter_increment
+from jobs.services import job_backfill, job_trigger
 from jobs.transitions import attempt_fail, attempt_succeed, run_claim
 from tests import factories
 
@@ -152,3 +154,19 @@ def test_only_staff_and_operators_open_the_dashboard(live_server, transactional_
     operator.groups.add(Group.objects.get_or_create(name="operators")[0])
     for path in ("/dashboard/", "/dashboard/panel/"):
         assert session_for(operator, live_server).get(f"{live_server.url}{path}").ok
+
+
+def test_the_queues_panel_counts_the_backlog_and_the_queued_runs_by_lane(staff):
+    """A backfill run and a manual trigger, both unpublished: each is counted in its lane
+    (`jobs.backfill`, `jobs.manual`), pending and queued alike, none in `jobs` itself."""
+    now = dt.datetime.now(dt.UTC)
+    job = factories.make_job(
+        factories.owner("lanes"), now=now - dt.timedelta(days=1),
+        schedule={"kind": "cron", "expression": "0 * * * *", "timezone": "UTC"},
+    )  # fmt: skip
+    assert job_backfill(job=job, instants=[now - dt.timedelta(hours=2)], actor=staff, now=now)
+    assert job_trigger(job=job, actor=staff, now=now)
+
+    queues = {queue.name: queue for queue in dashboard_figures(user=staff)["queues"]}
+    shown = {name: (q.outbox_pending, q.runs_queued) for name, q in queues.items()}
+    assert shown == {"jobs": (0, 0), "jobs.backfill": (1, 1), "jobs.manual": (1, 1)}

@@ -24,10 +24,12 @@ from jobs.models import (
     JobState,
     OutboxMessage,
     Run,
+    RunKind,
     RunState,
     ThrottleWindow,
 )
-from jobs.services import job_trigger
+from jobs.schedules import backfill_occurrences
+from jobs.services import job_backfill, job_trigger
 from logs_app.models import LogChunk, LogManifest
 from scheduler_project.settings.env import env_days
 from storage.retention import EXPIRED_RUNS
@@ -338,3 +340,31 @@ def test_pruned_failed_runs_stay_counted_and_the_jobs_own_history_stays(user, op
     assert not Run.objects.filter(id__in=[run.id for run in runs]).exists()
     assert dead_letters() == before == 2
     assert list(triggered.values_list("run_id", flat=True)) == [None, None]
+
+
+@pytest.mark.django_db
+def test_a_backfill_repeated_after_retention_runs_no_occurrence_twice(user):
+    """A backfill remembers what it ran past retention: the same range backfilled again
+    once the pruner has deleted its runs (a retention of a minute, as a fraction of a day)
+    creates nothing, and a wider range creates only the occurrences not run before."""
+    hourly = {"kind": "cron", "expression": "0 * * * *", "timezone": "UTC"}
+    job = make_job(user, now=NOW - 60 * DAY, schedule=hourly)
+    day = backfill_occurrences(job=job, start=NOW - 50 * DAY, end=NOW - 49 * DAY)
+    first = job_backfill(job=job, instants=day, actor=user, now=NOW)
+    assert len(first.created) == 24
+    Run.objects.filter(job=job).update(state=RunState.SUCCEEDED, finished_at=NOW)
+    finished_runs(job, user, NOW + dt.timedelta(minutes=2), state=RunState.SUCCEEDED)  # kept
+
+    later = NOW + dt.timedelta(hours=1)
+    pruned = pruner_run_once(now=later, config=PrunerConfig(run_retention_days=1 / 24 / 60))
+    assert pruned.runs_pruned == 24
+    assert not Run.objects.filter(job=job, kind=RunKind.BACKFILL).exists()
+
+    again = job_backfill(job=job, instants=day, actor=user, now=later)
+    assert again.created == []  # every occurrence of the day ran once already
+    assert (again.existing, again.pruned) == ([], day)
+    wider = backfill_occurrences(job=job, start=NOW - 50 * DAY, end=NOW - 48 * DAY)
+    more = job_backfill(job=job, instants=wider, actor=user, now=later)
+    assert [run.scheduled_for for run in more.created] == wider[24:]
+    assert (more.existing, more.pruned) == ([], day)
+    assert Run.objects.filter(job=job, kind=RunKind.BACKFILL).count() == 24

@@ -6,8 +6,9 @@ import datetime as dt
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from jobs.models import Attempt, Run
+from jobs.models import Attempt, Run, RunState
 from jobs.ops.metrics import BUCKETS
+from jobs.services import run_replay_request
 from jobs.transitions import attempt_fail, attempt_succeed, run_claim
 from storage import tallies
 from tests.factories import PINNED_NOW, make_job, scheduler_pass
@@ -187,3 +188,28 @@ def test_partition_leases_are_shown_by_holder_with_the_unheld_and_the_replicas(o
     assert leases == {"a": 2, "b": 1}
     assert samples[("scheduler_partitions_unheld", ())] == 64 - 3
     assert samples[("scheduler_partition_replicas", ())] == 2
+
+
+def test_the_dead_letter_counter_never_drops_when_a_failed_run_is_replayed(
+    operator_api, operator, queued_run
+):
+    """scheduler_dead_letter_total counts runs as they end failed: a replay (failed ->
+    queued) leaves it alone, the replayed run failing again adds one."""
+
+    def dead_letters() -> float:
+        return scrape(operator_api.get("/metrics").content.decode())[
+            ("scheduler_dead_letter_total", ())
+        ]
+
+    run = queued_run(run_at=PINNED_NOW, materialize_at=at(0.02))
+    first = run_claim(run_id=run.id, worker="w", now=at(0.3), lease_seconds=300)
+    assert attempt_fail(attempt=first, now=at(1), error="x", retry_at=None)
+    assert dead_letters() == 1
+
+    assert run_replay_request(run=Run.objects.get(id=run.id), actor=operator, now=at(2))
+    assert Run.objects.get(id=run.id).state == RunState.QUEUED
+    assert dead_letters() == 1
+
+    second = run_claim(run_id=run.id, worker="w", now=at(3), lease_seconds=300)
+    assert attempt_fail(attempt=second, now=at(4), error="x", retry_at=None)
+    assert dead_letters() == 2

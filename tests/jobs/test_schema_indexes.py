@@ -28,6 +28,7 @@ def test_the_migrations_install_storages_triggers_and_no_other():
     from storage.tallies import STATE_TALLY_TRIGGERS
 
     expected = {"run_measure_insert", "run_measure_update", "attempt_measure_finish",
+                "run_failed_dead_letter",
                 "run_ended_completes_job", *(name for name, _ in STATE_TALLY_TRIGGERS)}  # fmt: skip
     with connection.cursor() as cursor:
         cursor.execute("SELECT tgname FROM pg_trigger WHERE NOT tgisinternal")

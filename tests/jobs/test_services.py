@@ -9,7 +9,17 @@ import pytest
 from django.db import IntegrityError, transaction
 
 from jobs.keys import backfill_key
-from jobs.models import AuditEvent, Job, JobState, JobVersion, OutboxMessage, Run, RunKind, RunState
+from jobs.models import (
+    AuditEvent,
+    BackfilledOccurrences,
+    Job,
+    JobState,
+    JobVersion,
+    OutboxMessage,
+    Run,
+    RunKind,
+    RunState,
+)
 from jobs.schedules import ScheduleError
 from jobs.services import (
     JobQuotaExceeded,
@@ -69,6 +79,28 @@ def test_trigger_and_backfill_of_a_deleted_job_create_nothing(make_job, user):
     assert not job_delete(job=job, actor=user, now=NOW)
     assert job_trigger(job=job, actor=user, now=NOW) is None
     assert not Run.objects.exists()
+
+
+def test_a_backfill_remembers_each_occurrence_it_ran_in_a_few_rows(make_job, user):
+    """Evenly spaced instants are one row each run of them; a later backfill whose runs
+    are gone (deleted here as retention would) creates exactly the instants not run."""
+    job = make_job(now=NOW, schedule=HOURLY)
+    hour = dt.timedelta(hours=1)
+    ran = [NOW + n * hour for n in (0, 1, 2, 3, 5, 7, 9, 10)]
+    assert len(job_backfill(job=job, instants=ran, actor=user, now=NOW).created) == 8
+    spans = BackfilledOccurrences.objects.filter(job=job).order_by("first")
+    assert [(s.first, s.last, s.step) for s in spans] == [
+        (NOW, NOW + 3 * hour, hour),
+        (NOW + 5 * hour, NOW + 9 * hour, 2 * hour),
+        (NOW + 10 * hour, NOW + 10 * hour, dt.timedelta(0)),
+    ]
+    Run.objects.filter(job=job).delete()
+
+    every = [NOW + n * hour for n in range(12)]
+    again = job_backfill(job=job, instants=every, actor=user, now=NOW)
+    assert [run.scheduled_for for run in again.created] == [NOW + n * hour for n in (4, 6, 8, 11)]
+    assert again.pruned == ran
+    assert not job_backfill(job=job, instants=every, actor=user, now=NOW).created
 
 
 def test_a_second_backfill_run_of_one_occurrence_is_refused_by_the_database(make_job, user):

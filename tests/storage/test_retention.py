@@ -23,7 +23,7 @@ from jobs.models import (
 from jobs.services import job_trigger
 from jobs.transitions import TERMINAL_RUN_STATES
 from storage import retention
-from storage.retention import RunsDeleted, runs_delete_terminal, runs_expired_claim
+from storage.retention import runs_delete_terminal, runs_expired_claim
 from tests.threads import in_thread
 
 NOW = dt.datetime(2030, 1, 1, 9, 0, tzinfo=dt.UTC)
@@ -121,7 +121,7 @@ def test_terminal_runs_go_with_every_row_that_refers_to_them(job, user):
     )
     rows += AuditEvent.objects.filter(run_id__in=doomed).exclude(action__startswith="job.").count()
     deleted = runs_delete_terminal(run_ids=[*doomed, queued.id])
-    assert deleted == RunsDeleted(rows=rows, failed=1)
+    assert deleted == rows
     assert set(Run.objects.values_list("id", flat=True)) == {queued.id}
     assert not Effect.objects.exclude(run_id=queued.id).exists()
     assert not OutboxMessage.objects.exclude(run_id=queued.id).exists()
@@ -133,6 +133,6 @@ def test_terminal_runs_go_with_every_row_that_refers_to_them(job, user):
 @pytest.mark.django_db
 def test_no_ids_or_no_terminal_run_deletes_nothing(job, user):
     queued = job_trigger(job=job, actor=user, now=NOW)
-    assert runs_delete_terminal(run_ids=[]) == RunsDeleted(0, 0)
-    assert runs_delete_terminal(run_ids=[queued.id]) == RunsDeleted(0, 0)
+    assert runs_delete_terminal(run_ids=[]) == 0
+    assert runs_delete_terminal(run_ids=[queued.id]) == 0
     assert Run.objects.filter(id=queued.id).exists()

@@ -13,10 +13,13 @@ from django.db.models import Sum
 
 from dispatch.reaper import ReaperConfig, reaper_run_once
 from jobs.clock import db_now
-from jobs.models import Attempt, AttemptState, Tally
+from jobs.models import Attempt, AttemptState, Run, Tally
 from jobs.transitions import RELEASED_ERROR, attempt_fail, runs_reserve
 from storage.tallies import (
     ATTEMPTS,
+    DEAD_LETTER_TALLY,
+    DEAD_LETTERS,
+    DEAD_LETTERS_PRUNED,
     OUTBOX_BACKLOG,
     RUNS_BY_STATE,
     STAGE_HISTOGRAMS,
@@ -96,3 +99,25 @@ def test_the_state_tallies_drop_and_create_again_starting_from_the_rows(queued_r
     assert (tally(RUNS_BY_STATE, 'state="queued"'), tally(OUTBOX_BACKLOG)) == (3, 3)
     queued_run(args=[3])
     assert (tally(RUNS_BY_STATE, 'state="queued"'), tally(OUTBOX_BACKLOG)) == (4, 4)
+
+
+def test_the_dead_letters_drop_and_create_again_keeping_the_failed_runs_deleted(queued_run):
+    """Failed runs are counted as they fail; the drop keeps those no longer there in the
+    tally retention used to keep, and the create starts from both again."""
+    failed = []
+    for n in range(3):
+        attempt = claim(queued_run(args=[n]))
+        assert attempt_fail(attempt=attempt, now=PINNED_NOW, error="x", retry_at=None)
+        failed.append(attempt.run_id)
+    assert tally(DEAD_LETTERS) == 3
+    Attempt.objects.filter(run_id=failed[0]).delete()
+    Run.objects.filter(id=failed[0]).delete()  # as retention does
+    Run.objects.filter(id=failed[1]).update(state="queued")  # as a replay does
+    assert tally(DEAD_LETTERS) == 3
+
+    run_script(DEAD_LETTER_TALLY.drop)
+    assert (installed(["run_failed_dead_letter"]), tally(DEAD_LETTERS)) == (0, 0)
+    assert tally(DEAD_LETTERS_PRUNED) == 2  # 3 failures, 1 failed run left
+    run_script(DEAD_LETTER_TALLY.create)
+    assert installed(["run_failed_dead_letter"]) == 1
+    assert (tally(DEAD_LETTERS), tally(DEAD_LETTERS_PRUNED)) == (3, 0)
