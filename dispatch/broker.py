@@ -11,6 +11,10 @@ AMQP the template is the message's encoded frames and a batch is written to the 
 a few writes (`tests/dispatch/test_relay.py` checks that a consumer receives the same
 headers, properties and body as from kombu's Producer); other transports (the embedded
 filesystem broker) publish through kombu's Producer.
+
+Every AMQP message is published `mandatory`: one the broker can route to no queue (its
+queue was deleted since the channel declared it) comes back as a basic.return before its
+confirm, and is not published: its rows stay, and its queue is declared again.
 """
 
 from __future__ import annotations
@@ -41,13 +45,29 @@ RUN_ID_MARK = "ffffffff-ffff-4fff-bfff-fffffffffff2"
 PUBLISHED_AT_MARK = "9999-12-31T23:59:59.999999+00:00"
 WRITE_CHUNK = 256 * 1024  # bytes per socket write when a batch is sent
 
-# A refusal on the channel, not an outage: a queue declared with other arguments or type, a
-# reserved `amq.` name, no permission. The broker closes the channel; the connection lives.
+# A refusal on the channel, not an outage: the broker closes the channel; the connection
+# lives. Some last until an operator acts (LASTING_REFUSALS); the others pass by themselves.
 BrokerRefusal = ChannelError
+# The refusals that last until an operator acts: a queue declared with other arguments or
+# type (406 PRECONDITION_FAILED), a reserved `amq.` name or no permission (403
+# ACCESS_REFUSED). Any other can pass: 404 NOT_FOUND (a cluster's queue whose home node is
+# down or restarting, an exchange deleted and declared again), 405 RESOURCE_LOCKED (a queue
+# another connection holds exclusive).
+LASTING_REFUSALS = frozenset({403, 406})
+
+
+def refusal_lasts(refusal: BaseException) -> bool:
+    """Whether the broker's refusal lasts until an operator acts (LASTING_REFUSALS)."""
+    return getattr(refusal, "code", None) in LASTING_REFUSALS
 
 
 class BrokerUnconfirmed(ConnectionError):
     """The broker nacked the batch or did not confirm it in time; the rows stay pending."""
+
+
+class BrokerUnrouted(Exception):
+    """The broker returned messages it could route to no queue (a mandatory publish): their
+    queue was deleted since the channel declared it. Their rows stay pending."""
 
 
 def published_at_text(now: dt.datetime) -> str:
@@ -127,6 +147,7 @@ class ConfirmingPublisher:
         self.unconfirmed: set[int] = set()
         self.floor = 1  # no tag below it is unconfirmed
         self.nacked = False
+        self.returned: set[str] = set()  # task ids of the batch's messages routed nowhere
         self.declared: set[str] = set()  # queues declared on this channel
         self.depth_channel = None  # where queue depths are asked (a refusal closes it)
         self.templates: dict[tuple, bytes] = {}  # encoded frames with placeholders, by key
@@ -138,11 +159,12 @@ class ConfirmingPublisher:
         self.channel = self.connection.channel()
         self.confirms = self.connection.transport.driver_type == "amqp"
         self.sent, self.unconfirmed, self.floor, self.nacked = 0, set(), 1, False
-        self.declared, self.templates, self.depth_channel = set(), {}, None
+        self.returned, self.declared, self.templates, self.depth_channel = set(), set(), {}, None
         if self.confirms:
             self.channel.confirm_select()
             self.channel.events["basic_ack"].add(self._on_ack)
             self.channel.events["basic_nack"].add(self._on_nack)
+            self.channel.events["basic_return"].add(self._on_return)
 
     def _settled(self, delivery_tag: int, multiple: bool) -> set[int]:
         """The tags one confirm settles: every tag up to it with `multiple`, else that one.
@@ -162,6 +184,11 @@ class ConfirmingPublisher:
     def _on_nack(self, delivery_tag: int, multiple: bool) -> None:
         if self._settled(delivery_tag, multiple):
             self.nacked = True
+
+    def _on_return(self, exc, exchange: str, routing_key: str, message) -> None:
+        """A mandatory message routed to no queue (sent before its confirm): its task id
+        (the correlation id) marks it as not published."""
+        self.returned.add(message.properties.get("correlation_id"))
 
     def declare(self, queue_name: str):
         """The Celery queue of that name, declared once per channel."""
@@ -215,8 +242,8 @@ class ConfirmingPublisher:
         channel_id = self.channel.channel_id
         frame_max = self.channel.connection.frame_max
         publish = struct.pack(">HH", 60, 40) + amqp_dumps(
-            "Bssbb", (0, queue.exchange.name, queue.routing_key, False, False)
-        )
+            "Bssbb", (0, queue.exchange.name, queue.routing_key, True, False)
+        )  # mandatory: a message routed to no queue comes back (_on_return)
         header = struct.pack(">HHQ", 60, 0, len(body)) + amqp_message._serialize_properties()
         if len(body) > frame_max - 8 or len(header) > frame_max - 8:
             raise ValueError("a task message larger than one frame")  # kwargs are two ids
@@ -276,6 +303,7 @@ class ConfirmingPublisher:
                 priority=message.priority or None,
                 serializer="json",
                 retry=False,
+                mandatory=self.confirms,
                 **task.properties,
             )
             self.sent += 1
@@ -284,15 +312,20 @@ class ConfirmingPublisher:
 
     def publish_batch_and_confirm(
         self, messages: list[PendingMessage], *, published_at: str, timeout: float
-    ) -> None:
+    ) -> list[PendingMessage]:
         """Publish every message (the runs of short tasks packed several to a message,
-        dispatch.packing), then wait until the broker confirmed all of them."""
+        dispatch.packing), then wait until the broker confirmed all of them; the messages
+        it returned, routed to no queue (their queue was deleted), which are not published:
+        their queues are declared again on the next publish."""
         self._open()
         packs = outbox_packs(messages, pack_size=task_pack_size)
         if not self.confirms:
             self._publish_kombu(packs, published_at)
-            return
+            return []
+        for name in dict.fromkeys(message.queue for message in messages):
+            self._declare(name)  # a queue returned earlier is declared again
         self.floor = self.sent + 1  # every earlier tag was settled (or the channel reset)
+        self.returned = set()
         self._publish_amqp([pack[0] for pack in packs if len(pack) == 1], published_at)
         self._publish_kombu([pack for pack in packs if len(pack) > 1], published_at)
         deadline = time.monotonic() + timeout
@@ -307,6 +340,11 @@ class ConfirmingPublisher:
         if self.nacked or self.unconfirmed:
             self.reset()
             raise BrokerUnconfirmed(f"{len(messages)} messages not confirmed by the broker")
+        # A pack's task id is its first run's message id (packed_task_message).
+        unrouted = [row for pack in packs if str(pack[0].message_id) in self.returned
+                    for row in pack]  # fmt: skip
+        self.declared -= {row.queue for row in unrouted}
+        return unrouted
 
     def reset(self) -> None:
         try:

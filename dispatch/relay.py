@@ -9,7 +9,14 @@ waits for the broker's confirms of the whole batch (one round trip, not one per 
 and in the same transaction deletes the rows: a confirmed row has nothing left to say, and the run
 row is not touched (the worker's claim records `published_at`, which travels in the
 message). A crash anywhere before the commit leaves the rows pending: they are published
-again, and the worker's claim refuses the duplicate.
+again, and the worker's claim refuses the duplicate. A message the broker returns, routed to
+no queue (an operator deleted its queue), is not published: its row stays, and the queue is
+declared again for the next try.
+
+A refusal is judged by its kind and how long it lasts, never by a count of tries: one that
+can pass by itself (404, 405: dispatch.broker's LASTING_REFUSALS) and an outage never fail
+a run; the runs of rows refused in a lasting way (406, 403) at every try for longer than
+`refusal_grace` fail `undeliverable`.
 
 What talks to the broker (connecting, declaring, depths, the messages' frames, publishing
 with confirms) is dispatch.broker's; the statements are storage.outbox's and
@@ -34,7 +41,13 @@ from jobs.redaction import redact
 from jobs.transitions import active_runs_record, run_give_up, runs_stamp_published_late
 from storage.outbox import outbox_delete_published, outbox_pending_queues
 
-from .broker import BrokerRefusal, ConfirmingPublisher, published_at_text
+from .broker import (
+    BrokerRefusal,
+    BrokerUnrouted,
+    ConfirmingPublisher,
+    published_at_text,
+    refusal_lasts,
+)
 from .config import config_require
 from .failpoints import failpoint
 from .loop import BROKER_ERRORS
@@ -50,10 +63,11 @@ class RelayConfig:
     # The sleep when the outbox is empty; the relay command also wakes on a NOTIFY from
     # every writer of outbox rows (jobs.outbox), so this is only the safety net.
     poll_interval: float = 1.0
-    # A queue the broker refuses on the channel (declared with other arguments or type, a
-    # reserved `amq.` name, no permission): its messages are tried in this many steps, then
-    # their runs fail `undeliverable` with the broker's reason.
-    max_refusals: int = 5
+    # Seconds a row's tries are all refused in a way that lasts until an operator acts (its
+    # queue declared with other arguments or type, a reserved `amq.` name, no permission)
+    # before its run fails `undeliverable` with the broker's reason; an outage or a refusal
+    # that can pass in between starts the wait again, and never fails a run itself.
+    refusal_grace: float = 600.0
     # Backpressure (SCHEDULER_QUEUE_HIGH_WATER): a queue's ready messages, as the broker
     # counts them before each claim, plus what one claim adds, never pass this mark; the
     # rows of a full queue wait in PostgreSQL. None: no limit.
@@ -69,8 +83,8 @@ class RelayConfig:
     def __post_init__(self) -> None:
         config_require(
             self,
-            at_least_one=("batch_size", "max_refusals", "high_water", "owner_max_active_runs"),
-            positive=("confirm_timeout", "poll_interval", "held_poll_interval"),
+            at_least_one=("batch_size", "high_water", "owner_max_active_runs"),
+            positive=("confirm_timeout", "poll_interval", "held_poll_interval", "refusal_grace"),
         )
 
 
@@ -93,11 +107,11 @@ def relay_run_once(
     """Publish pending rows queue by queue, each queue in its own transaction: up to a
     batch, and no more than the room its high-water mark leaves (the broker's count of its
     ready messages, asked once per queue per step). A full queue's rows wait; a queue the
-    broker refuses keeps its rows pending (a try counted each step, then `undeliverable`);
-    neither holds back another queue. Within a queue, owners share the room in turn and an
-    owner at its limit is passed over (dispatch.shares; `turns` rotates who goes first,
-    kept by the relay's process across steps). An outage stops the step (the loop backs
-    off)."""
+    broker refuses keeps its rows pending (a try counted each step; `undeliverable` only
+    after `refusal_grace` of lasting refusals); neither holds back another queue. Within a
+    queue, owners share the room in turn and an owner at its limit is passed over
+    (dispatch.shares; `turns` rotates who goes first, kept by the relay's process across
+    steps). An outage stops the step (the loop backs off)."""
     turns = turns or OwnerTurns()
     published_at = published_at_text(now)
     published = undeliverable = held_back = 0
@@ -181,7 +195,7 @@ def _relay_queue(
             return 0, 0, owners_held
         ids = [message.id for message in messages]
         try:
-            publisher.publish_batch_and_confirm(
+            unrouted = publisher.publish_batch_and_confirm(
                 messages, published_at=published_at, timeout=config.confirm_timeout
             )
         except BrokerRefusal as exc:
@@ -189,15 +203,26 @@ def _relay_queue(
             # counted, and the other queues go on (docs/security.md).
             publisher.reset()
             log.warning("the broker refused queue %r: %s", queue, exc)
-            outbox_record_failure(message_ids=ids, error=exc)
-            return 0, _runs_undeliverable(queue=queue, ids=ids, reason=exc, now=now,
-                                          config=config), owners_held  # fmt: skip
+            lasting = refusal_lasts(exc)
+            outbox_record_failure(message_ids=ids, error=exc, refused_at=now if lasting else None)
+            failed = _runs_undeliverable(queue=queue, ids=ids, reason=exc, now=now,
+                                         config=config) if lasting else 0  # fmt: skip
+            return 0, failed, owners_held
         except BROKER_ERRORS as exc:
             publisher.reset()
             failure = exc
         else:
             failpoint("relay.after_confirm")
-            outbox_delete_published(message_ids=ids)
+            if unrouted:
+                log.warning("the broker routed %s messages of queue %r to no queue (deleted?):"
+                            " declared again for the next try", len(unrouted), queue)  # fmt: skip
+                unrouted_ids = {message.id for message in unrouted}
+                outbox_record_failure(
+                    message_ids=list(unrouted_ids),
+                    error=BrokerUnrouted(f"312 NO_ROUTE: no queue bound for {queue!r}"),
+                )
+                messages = [m for m in messages if m.id not in unrouted_ids]
+            outbox_delete_published(message_ids=[message.id for message in messages])
             late = now - dt.timedelta(seconds=LATE_PUBLICATION_SECONDS)
             runs_stamp_published_late(
                 run_ids=[m.run_id for m in messages if m.created_at and m.created_at < late],
@@ -206,7 +231,7 @@ def _relay_queue(
             active_runs_record(
                 runs=[(m.run_id, m.owner_id) for m in messages if m.owner_id in limited], now=now
             )
-            return len(ids), 0, owners_held
+            return len(messages), 0, owners_held
     outbox_record_failure(message_ids=ids, error=failure)
     raise failure
 
@@ -214,18 +239,22 @@ def _relay_queue(
 def _runs_undeliverable(
     *, queue: str, ids: list[int], reason: BaseException, now: dt.datetime, config: RelayConfig
 ) -> int:
-    """Fail the runs of the rows among `ids` that the broker refused `max_refusals` times,
-    with its reason in their history, and delete those rows; how many runs failed."""
-    spent = OutboxMessage.objects.filter(id__in=ids, publish_tries__gte=config.max_refusals)
+    """Fail the runs of the rows among `ids` whose every try was refused in a lasting way
+    for longer than `refusal_grace`, with the broker's reason in their history, and delete
+    those rows; how many runs failed."""
+    since = now - dt.timedelta(seconds=config.refusal_grace)
+    spent = OutboxMessage.objects.filter(id__in=ids, refused_since__lt=since)
     failed = 0
-    for row_id, run_id, job_id in spent.values_list("id", "run_id", "run__job_id"):
+    for row_id, run_id, job_id, refused_since in spent.values_list(
+        "id", "run_id", "run__job_id", "refused_since"
+    ):
         if run_give_up(run_id=run_id, now=now, reason=FailureReason.UNDELIVERABLE):
             failed += 1
             audit_record(action="run.undeliverable", by="relay", job_id=job_id, run_id=run_id,
-                         data={"queue": queue, "refusals": config.max_refusals,
+                         data={"queue": queue, "refused_since": refused_since.isoformat(),
                                "reason": redact(str(reason))[:500]})  # fmt: skip
         OutboxMessage.objects.filter(id=row_id).delete()
     if failed:
-        log.error("queue %r refused by the broker %s times: %s runs failed undeliverable (%s)",
-                  queue, config.max_refusals, failed, reason)  # fmt: skip
+        log.error("queue %r refused by the broker for over %s s: %s runs failed undeliverable"
+                  " (%s)", queue, config.refusal_grace, failed, reason)  # fmt: skip
     return failed

@@ -394,6 +394,10 @@ class OutboxMessage(models.Model):
     created_at = models.DateTimeField()
     publish_tries = models.PositiveIntegerField(default=0)
     last_error = models.TextField(blank=True, default="")
+    # Since when every try was refused in a way that lasts until an operator acts (a queue
+    # of other arguments, no permission): empty after any other failure. The relay fails
+    # the run `undeliverable` once this is older than its grace (dispatch.relay).
+    refused_since = models.DateTimeField(null=True, blank=True)
 
     class Meta:
         db_table = "dispatch_outboxmessage"  # moved from the dispatch app; the table stays

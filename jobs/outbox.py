@@ -74,7 +74,12 @@ def outbox_enqueue_runs(*, runs: list[Run], now: dt.datetime) -> int:
     return written
 
 
-def outbox_record_failure(*, message_ids: list[int], error: BaseException) -> int:
+def outbox_record_failure(
+    *, message_ids: list[int], error: BaseException, refused_at: dt.datetime | None = None
+) -> int:
     """These rows stay pending for the next try; their tries and last error (redacted) make
-    it visible."""
-    return outbox_record_failed_try(message_ids=message_ids, error=redact(repr(error))[:2000])
+    it visible. `refused_at` dates a refusal that lasts (storage.outbox's
+    `outbox_record_failed_try`); any other failure clears it."""
+    return outbox_record_failed_try(
+        message_ids=message_ids, error=redact(repr(error))[:2000], refused_at=refused_at
+    )

@@ -28,7 +28,7 @@ OWNER_ID_TYPE = "integer"
 # The columns every writer of outbox rows inserts, in the order outbox_insert_select fills.
 OUTBOX_COLUMNS = (
     "run_id, owner_id, message_id, task_name, queue, priority, timeout_seconds,"
-    " state, created_at, publish_tries, last_error"
+    " state, created_at, publish_tries, last_error, refused_since"
 )
 
 
@@ -40,7 +40,7 @@ def outbox_insert_select(*, source: str, run_id: str, owner_id: str) -> str:
     statement's `%(now)s` parameter. The writer appends its FROM (and ORDER BY, RETURNING)."""
     return f"""INSERT INTO {OUTBOX_TABLE} ({OUTBOX_COLUMNS})
         SELECT {run_id}, {owner_id}, gen_random_uuid(), {source}.task_name, {source}.queue,
-               {source}.priority, {source}.timeout_seconds, '{PENDING}', %(now)s, 0, ''"""
+               {source}.priority, {source}.timeout_seconds, '{PENDING}', %(now)s, 0, '', NULL"""
 
 
 class OutboxEntry(NamedTuple):
@@ -123,16 +123,22 @@ def outbox_delete_published(*, message_ids: list[int]) -> int:
     return execute(f"DELETE FROM {OUTBOX_TABLE} WHERE id = ANY(%s)", [message_ids])
 
 
-def outbox_record_failed_try(*, message_ids: list[int], error: str) -> int:
+def outbox_record_failed_try(
+    *, message_ids: list[int], error: str, refused_at: dt.datetime | None = None
+) -> int:
     """Count a failed publication of these pending rows and keep its error: they stay
-    pending for the next try. Runs in the caller's transaction; locks the rows it updates.
-    Returns the rows updated."""
+    pending for the next try. `refused_at`: the time of a refusal that lasts until an
+    operator acts, kept in `refused_since` unless the rows were refused so already; None
+    for any other failure (an outage, a refusal that can pass), which empties it. Runs in
+    the caller's transaction; locks the rows it updates. Returns the rows updated."""
     return execute(
         f"""
-        UPDATE {OUTBOX_TABLE} SET publish_tries = publish_tries + 1, last_error = %(error)s
+        UPDATE {OUTBOX_TABLE} SET publish_tries = publish_tries + 1, last_error = %(error)s,
+               refused_since = CASE WHEN %(refused_at)s::timestamptz IS NOT NULL
+                                    THEN COALESCE(refused_since, %(refused_at)s) END
          WHERE id = ANY(%(ids)s) AND state = %(pending)s
         """,
-        {"ids": message_ids, "error": error, "pending": PENDING},
+        {"ids": message_ids, "error": error, "refused_at": refused_at, "pending": PENDING},
     )
 
 

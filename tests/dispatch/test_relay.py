@@ -12,6 +12,7 @@ from django.conf import settings
 from kombu import Connection
 
 from dispatch.broker import ConfirmingPublisher, published_at_text, queue_depth, queues_declare
+from dispatch.loop import BROKER_ERRORS
 from dispatch.relay import RelayConfig, relay_run_once
 from dispatch.scheduler import SchedulerConfig, scheduler_run_once
 from jobs.models import OutboxMessage, OutboxState, Run
@@ -39,11 +40,11 @@ def pending_runs(make_job):
     purge_queue()
 
 
-def _drain_queue() -> list[dict]:
-    """Every message now in the `jobs` queue: its headers, properties and decoded body."""
+def _drain_queue(name: str = "jobs") -> list[dict]:
+    """Every message now in the queue: its headers, properties and decoded body."""
     with Connection(settings.CELERY_BROKER_URL) as broker:
         # Declared as the product declares it (classic or quorum).
-        queue = broker.SimpleQueue(current_app.amqp.queues["jobs"], no_ack=True)
+        queue = broker.SimpleQueue(current_app.amqp.queues[name], no_ack=True)
         messages = []
         while True:
             try:
@@ -227,43 +228,155 @@ def refused_queue(settings):
         broker.channel().queue_delete(name)
 
 
-def test_a_queue_the_broker_refuses_holds_back_only_its_own_messages(make_job, refused_queue):
-    from jobs.models import AuditEvent, RunState
+def _due() -> dict:
+    return {"now": NOW - dt.timedelta(minutes=1),
+            "schedule": {"kind": "once", "run_at": NOW.isoformat()}}  # fmt: skip
 
-    purge_queue()
-    due = {"now": NOW - dt.timedelta(minutes=1),
-           "schedule": {"kind": "once", "run_at": NOW.isoformat()}}  # fmt: skip
-    refused = make_job(queue=refused_queue, **due)
-    behind = [make_job(**due) for _ in range(3)]
-    scheduler_run_once(now=NOW, config=SchedulerConfig())
-    assert sorted(OutboxMessage.objects.values_list("queue", flat=True))[-1] == refused_queue
+
+def _relay_step(now: dt.datetime, config: RelayConfig | None = None):
     publisher = ConfirmingPublisher(
         settings.CELERY_BROKER_URL, settings.CELERY_BROKER_TRANSPORT_OPTIONS
     )
-    config = RelayConfig(max_refusals=3)
     try:
-        result = relay_run_once(now=NOW, config=config, publisher=publisher)
+        return relay_run_once(now=now, config=config or RelayConfig(), publisher=publisher)
+    finally:
+        publisher.close()
+
+
+def _outage_step(now: dt.datetime) -> None:
+    publisher = ConfirmingPublisher("amqp://guest:guest@127.0.0.1:1//", {"connect_timeout": 1})
+    with pytest.raises(BROKER_ERRORS):
+        relay_run_once(now=now, config=RelayConfig(), publisher=publisher)
+
+
+def test_a_queue_the_broker_refuses_holds_back_only_its_own_messages(make_job, refused_queue):
+    """A lasting refusal (PRECONDITION_FAILED) fails the runs only once every try for longer
+    than `refusal_grace` was refused; tries that met an outage before it count nothing, and
+    an outage in between starts the wait again."""
+    from jobs.models import AuditEvent, RunState
+
+    purge_queue()
+    refused = make_job(queue=refused_queue, **_due())
+    scheduler_run_once(now=NOW, config=SchedulerConfig())
+    for _ in range(6):  # a broker outage: six tries, none of them a refusal
+        _outage_step(NOW)
+    behind = [make_job(**_due()) for _ in range(3)]
+    scheduler_run_once(now=NOW, config=SchedulerConfig())
+    assert sorted(OutboxMessage.objects.values_list("queue", flat=True))[-1] == refused_queue
+    try:
+        result = _relay_step(NOW)
         # The messages behind the refused one went out; the refused one waits, a try counted.
         assert (result.published, result.undeliverable) == (3, 0)
         assert len(_drain_queue()) == 3
         [row] = OutboxMessage.objects.all()
-        assert (row.queue, row.publish_tries) == (refused_queue, 1)
+        assert (row.queue, row.publish_tries, row.refused_since) == (refused_queue, 7, NOW)
         assert "PRECONDITION_FAILED" in row.last_error
-        # A new run behind it is not held back either, and the refusals are bounded.
-        make_job(**due)
+        # A new run behind it is not held back either.
+        make_job(**_due())
         scheduler_run_once(now=NOW, config=SchedulerConfig())
-        assert relay_run_once(now=NOW, config=config, publisher=publisher).published == 1
-        assert relay_run_once(now=NOW, config=config, publisher=publisher).undeliverable == 1
-        assert relay_run_once(now=NOW, config=config, publisher=publisher).published == 0
+        assert _relay_step(NOW).published == 1
+        grace = dt.timedelta(seconds=RelayConfig().refusal_grace)
+        assert _relay_step(NOW + grace / 2).undeliverable == 0
+        # An outage in between: the refusals seen before it no longer count.
+        _outage_step(NOW + grace / 2)
+        restart = NOW + grace
+        assert _relay_step(restart).undeliverable == 0
+        assert _relay_step(restart + grace).undeliverable == 0
+        assert OutboxMessage.objects.get().refused_since == restart
+        result = _relay_step(restart + grace + dt.timedelta(seconds=1))
+        assert (result.published, result.undeliverable) == (0, 1)
     finally:
-        publisher.close()
         purge_queue()
     assert not OutboxMessage.objects.exists()
     run = Run.objects.get(job=refused)
     assert (run.state, run.failure_reason) == (RunState.FAILED, "undeliverable")
     event = AuditEvent.objects.get(run=run, action="run.undeliverable")
     assert "PRECONDITION_FAILED" in event.data["reason"]
+    assert event.data["refused_since"] == restart.isoformat()
     assert {r.state for r in Run.objects.filter(job__in=behind)} == {RunState.QUEUED}
+
+
+@pytest.fixture
+def locked_queue(settings):
+    """An allowed queue that another connection holds exclusive, so that the relay's
+    declare is refused (405 RESOURCE_LOCKED) until that connection closes: a refusal that
+    passes by itself, as a cluster's 404 for a queue whose home node restarts does.
+    Yields the queue's name and a function that closes the holder's connection."""
+    name = f"locked-{uuid.uuid4().hex[:8]}"
+    settings.SCHEDULER_QUEUES = [*settings.SCHEDULER_QUEUES, name]
+    holder = Connection(settings.CELERY_BROKER_URL)
+    holder.channel().queue_declare(name, exclusive=True)
+    yield name, holder.release  # the exclusive queue goes with its connection
+    holder.release()
+    with Connection(settings.CELERY_BROKER_URL) as broker:
+        broker.channel().queue_delete(name)
+
+
+def test_a_refusal_that_passes_never_fails_a_run_and_its_message_goes_once_it_clears(
+    make_job, locked_queue
+):
+    name, release = locked_queue
+    job = make_job(queue=name, **_due())
+    scheduler_run_once(now=NOW, config=SchedulerConfig())
+    [run] = Run.objects.filter(job=job)
+    # Far more steps than were ever allowed, over far longer than any grace.
+    for step in range(8):
+        result = _relay_step(NOW + dt.timedelta(hours=step))
+        assert (result.published, result.undeliverable) == (0, 0)
+    row = OutboxMessage.objects.get()
+    assert (row.publish_tries, row.refused_since) == (8, None)
+    assert "RESOURCE_LOCKED" in row.last_error
+    assert Run.objects.get(id=run.id).state == "queued"
+
+    release()  # the refusal clears: the next step declares the queue and publishes
+    assert _relay_step(NOW + dt.timedelta(hours=8)).published == 1
+    assert not OutboxMessage.objects.exists()
+    assert [m["body"][1]["run_id"] for m in _drain_queue(name)] == [str(run.id)]
+
+
+@pytest.mark.parametrize("deleted", ["queue", "queue and exchange"])
+def test_a_queue_deleted_between_two_steps_loses_no_message(make_job, settings, deleted):
+    """An operator deletes a queue the relay's channel declared: the next batch is routed
+    nowhere, the broker returns it (mandatory) before confirming it, its rows stay, and the
+    step after declares the queue again and publishes them; single messages and packs. With
+    its exchange deleted too, the broker refuses the publish (404 NOT_FOUND, a refusal
+    that passes): the rows stay as well, and no run fails."""
+    name = f"deleted-{uuid.uuid4().hex[:8]}"
+    settings.SCHEDULER_QUEUES = [*settings.SCHEDULER_QUEUES, name]
+    for _ in range(2):
+        make_job(queue=name, **_due())
+    scheduler_run_once(now=NOW, config=SchedulerConfig())
+    publisher = ConfirmingPublisher(
+        settings.CELERY_BROKER_URL, settings.CELERY_BROKER_TRANSPORT_OPTIONS
+    )
+    try:
+        assert relay_run_once(now=NOW, config=RelayConfig(), publisher=publisher).published == 2
+        assert len(_drain_queue(name)) == 2
+        with Connection(settings.CELERY_BROKER_URL) as broker:
+            broker.channel().queue_delete(name)
+            if deleted == "queue and exchange":
+                broker.channel().exchange_delete(name)
+        later = [make_job(queue=name, task="tests.record_packed", **_due()) for _ in range(3)]
+        later.append(make_job(queue=name, **_due()))
+        scheduler_run_once(now=NOW, config=SchedulerConfig())
+        expected = sorted(str(r.id) for r in Run.objects.filter(job__in=later))
+        steps = [relay_run_once(now=NOW, config=RelayConfig(), publisher=publisher)]
+        errors = set(OutboxMessage.objects.values_list("publish_tries", "last_error"))
+        steps += [relay_run_once(now=NOW, config=RelayConfig(), publisher=publisher)
+                  for _ in range(2)]  # fmt: skip
+        messages = _drain_queue(name)
+    finally:
+        publisher.close()
+        with Connection(settings.CELERY_BROKER_URL) as broker:
+            broker.channel().queue_delete(name)
+    assert [(step.published, step.undeliverable) for step in steps] == [(0, 0), (4, 0), (0, 0)]
+    [(tries, error)] = errors
+    assert tries == 1
+    assert ("NO_ROUTE" if deleted == "queue" else "NOT_FOUND") in error
+    assert not OutboxMessage.objects.exists()
+    sent = [m["body"][1].get("run_ids") or [m["body"][1]["run_id"]] for m in messages]
+    assert sorted(run for runs in sent for run in runs) == expected
+    assert sorted(len(runs) for runs in sent) == [1, 3]
 
 
 def test_the_relay_declares_the_allowed_queues_and_reports_a_refused_one(refused_queue):

@@ -3,6 +3,7 @@ connections."""
 
 from __future__ import annotations
 
+import datetime as dt
 import threading
 
 import pytest
@@ -105,6 +106,24 @@ def test_delete_published_and_a_failed_try(bare_run):
     assert outbox_delete_published(message_ids=[first.id]) == 1
     assert list(OutboxMessage.objects.values_list("id", flat=True)) == [second.id]
     assert outbox_delete_published(message_ids=[first.id]) == 0
+
+
+def test_a_lasting_refusal_is_dated_from_the_first_and_any_other_failure_clears_it(bare_run):
+    run = bare_run()
+    row = _row(run)
+    later = NOW + dt.timedelta(minutes=1)
+
+    def refused_since():
+        return OutboxMessage.objects.get(id=row.id).refused_since
+
+    outbox_record_failed_try(message_ids=[row.id], error="406", refused_at=NOW)
+    outbox_record_failed_try(message_ids=[row.id], error="406", refused_at=later)
+    assert refused_since() == NOW
+    outbox_record_failed_try(message_ids=[row.id], error="an outage")
+    assert refused_since() is None
+    outbox_record_failed_try(message_ids=[row.id], error="406", refused_at=later)
+    assert refused_since() == later
+    assert OutboxMessage.objects.get(id=row.id).publish_tries == 4
 
 
 def test_the_pending_queues_in_order_of_name(bare_run):
