@@ -7,7 +7,7 @@ from django.db import migrations, models
 
 class Migration(migrations.Migration):
     dependencies = [
-        ("jobs", "0003_job_completion_trigger"),
+        ("jobs", "0006_dead_letter_tally"),
     ]
 
     operations = [
