@@ -22,7 +22,8 @@ period; each statement commits on its own, so no lock is held across statements:
 
 A replica whose membership expired has its scheduler session ended if it is still inside
 a transaction (a replica frozen mid-pass), so the job rows it locked go with its
-partitions.
+partitions. Its membership is kept until then, however late the next pass comes (a lone
+replica's replacement starting minutes later).
 
 The pass wakes again at the earliest expiry of another replica's lease or membership when
 that comes before its next renewal, so a dead (SIGKILL) or paused (SIGSTOP) replica's
@@ -190,8 +191,9 @@ def _sessions_end(*, holders: list[str], now: dt.datetime) -> int:
     replica's SKIP LOCKED passes them by until its session ends. A replica alive enough to
     renew its membership keeps its session; only the very session recorded is ended (pid
     and backend_start). Any replica may do it (a session already ended no longer
-    matches), in the passes of the lease period before the membership row is deleted.
-    Needs the same database role for every scheduler (or pg_signal_backend)."""
+    matches), at any pass after the expiry: the membership row stays while its session is
+    inside a transaction (storage.partitions.replicas_prune_and_list). Needs the same
+    database role for every scheduler (or pg_signal_backend)."""
     try:
         with transaction.atomic():
             ended = replica_sessions_terminate(holders=holders, now=now)

@@ -25,6 +25,7 @@ from jobs.transitions import attempt_abandon
 from storage.attempts import lock_timeout_set_local
 
 from .config import config_require
+from .failpoints import failpoint
 from .worker.limits import HARD_TIME_LIMIT_GRACE
 
 log = logging.getLogger("dispatch.reaper")
@@ -122,6 +123,7 @@ def reaper_run_once(*, now: dt.datetime, config: ReaperConfig) -> ReaperResult:
                 outcome = attempts_record_failure(
                     failures=[failure], now=now, by="reaper", only_if=expired
                 )[attempt.id]
+                failpoint("reaper.after_end")  # the attempt's and run's rows locked
                 if outcome is None and attempt_abandon(attempt=attempt, now=now, error=error):
                     # Its run moved on without it (a bug or a hand edit): end it alone, or
                     # it would be read again on every pass.

@@ -380,19 +380,21 @@ def _reserved_start(attempt: Attempt) -> dt.datetime | None:
 
 def attempts_renew_leases(
     *, leases: list[tuple[int, int, float]], now: dt.datetime | None = None
-) -> set[int]:
+) -> storage.attempts.Renewal:
     """Extend the leases of running attempts that still hold the current token, in one
     statement: `leases` holds (attempt id, fencing token, lease seconds). Returns the ids
-    renewed; an attempt missing from it lost its lease or token. `now` defaults to the
-    database's clock; the condition is on the attempt row alone
-    (`storage.attempts.attempts_renew_leases` says why)."""
+    renewed, and those whose row another transaction holds (neither renewed nor refused:
+    ask again shortly); an attempt in neither lost its lease or token. `now` defaults to
+    the database's clock; the condition is on the attempt row alone, and no row lock is
+    waited for (`storage.attempts.attempts_renew_leases` says why)."""
     return storage.attempts.attempts_renew_leases(leases=leases, now=now)
 
 
 def attempt_renew_lease(*, attempt: Attempt, now: dt.datetime, lease_seconds: float) -> bool:
-    """Extend the lease of a running attempt that still holds the current token."""
+    """Extend the lease of a running attempt that still holds the current token; False
+    when it did not (refused, or its row held by another transaction)."""
     leases = [(attempt.id, attempt.fencing_token, lease_seconds)]
-    return attempt.id in attempts_renew_leases(leases=leases, now=now)
+    return attempt.id in attempts_renew_leases(leases=leases, now=now).renewed
 
 
 def attempt_abandon(*, attempt: Attempt, now: dt.datetime, error: str) -> bool:

@@ -10,7 +10,7 @@ from typing import NamedTuple
 
 from django.db import connection
 
-from .sql import execute, fetch_all, fetch_one
+from .sql import execute, fetch_one
 
 
 class LeaseRenewal(NamedTuple):
@@ -21,33 +21,63 @@ class LeaseRenewal(NamedTuple):
     seconds: float
 
 
+class Renewal(NamedTuple):
+    """The outcome of a renewal: the attempts whose lease was extended, and those whose row
+    another transaction holds (a cancel, a completion or a reaper ending it, a frozen one
+    included), neither renewed nor refused: the caller asks again shortly. An attempt in
+    neither lost its lease or its token."""
+
+    renewed: set[int]
+    held_elsewhere: set[int]
+
+
 _RENEW = """
-    WITH clock AS (SELECT COALESCE(%s::timestamptz, clock_timestamp()) AS now)
-    UPDATE jobs_attempt AS a
-       SET heartbeat_at = clock.now,
-           lease_expires_at = clock.now + make_interval(secs => l.seconds)
-      FROM clock, unnest(%s::bigint[], %s::bigint[], %s::float8[]) AS l(id, token, seconds)
-     WHERE a.id = l.id AND a.state = 'running' AND a.fencing_token = l.token
- RETURNING a.id
+    WITH clock AS (SELECT COALESCE(%(now)s::timestamptz, clock_timestamp()) AS now),
+    wanted AS (
+        SELECT * FROM unnest(%(ids)s::bigint[], %(tokens)s::bigint[], %(seconds)s::float8[])
+                   AS l(id, token, seconds)
+    ),
+    free AS (
+        SELECT id FROM jobs_attempt WHERE id = ANY(%(ids)s::bigint[])
+           FOR NO KEY UPDATE SKIP LOCKED
+    ),
+    renewed AS (
+        UPDATE jobs_attempt AS a
+           SET heartbeat_at = clock.now,
+               lease_expires_at = clock.now + make_interval(secs => l.seconds)
+          FROM clock, wanted AS l, free
+         WHERE a.id = l.id AND a.id = free.id AND a.state = 'running'
+           AND a.fencing_token = l.token
+     RETURNING a.id
+    )
+    SELECT (SELECT coalesce(array_agg(id), '{}') FROM renewed),
+           (SELECT coalesce(array_agg(id), '{}') FROM jobs_attempt
+             WHERE id = ANY(%(ids)s::bigint[]) AND id NOT IN (SELECT id FROM free))
 """
 
 
 def attempts_renew_leases(
     *, leases: list[LeaseRenewal] | list[tuple[int, int, float]], now: dt.datetime | None = None
-) -> set[int]:
+) -> Renewal:
     """Extend the leases of running attempts that still hold their token, in one
-    statement; `now` defaults to the database's clock (clock_timestamp()). The ids renewed:
-    an attempt missing from it lost its lease or its token.
+    statement; `now` defaults to the database's clock (clock_timestamp()).
+
+    Never waits for a row lock: an attempt whose row another transaction holds is passed
+    over (FOR NO KEY UPDATE SKIP LOCKED, the lock an UPDATE takes, so a foreign key's
+    KEY SHARE is no obstacle) and reported held elsewhere, so one attempt a frozen reaper
+    holds cannot keep the process's other leases from being renewed until they expire.
 
     Conditioned on the attempt row alone: every path that moves a run out of `running` ends
-    its running attempt in the same transaction, and a condition through a join is not
-    re-checked by PostgreSQL after waiting on the row (READ COMMITTED), so it could renew an
-    attempt the reaper ended meanwhile. Runs in its own implicit transaction or the
-    caller's; takes the attempts' row locks."""
+    its running attempt in the same transaction, and the attempt's own conditions are
+    re-checked on its newest version (READ COMMITTED), so it never renews an attempt the
+    reaper ended meanwhile. Runs in its own implicit transaction or the caller's; takes the
+    row locks of the attempts it reached."""
     if not leases:
-        return set()
+        return Renewal(renewed=set(), held_elsewhere=set())
     ids, tokens, seconds = (list(column) for column in zip(*leases, strict=True))
-    return {row[0] for row in fetch_all(_RENEW, [now, ids, tokens, seconds])}
+    renewed, held = fetch_one(_RENEW, {"now": now, "ids": ids, "tokens": tokens,
+                                       "seconds": seconds})  # fmt: skip
+    return Renewal(renewed=set(renewed), held_elsewhere=set(held))
 
 
 class Success(NamedTuple):

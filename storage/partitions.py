@@ -86,12 +86,22 @@ def replica_membership_renew(
 
 
 def replicas_prune_and_list(*, stale_before: dt.datetime) -> dict[str, dt.datetime]:
-    """Delete the memberships expired before `stale_before` (gone for a whole lease period:
-    their sessions were ended or are past ending) and return every membership as holder ->
-    expiry, the deleted ones included (one snapshot). Row locks on the rows deleted."""
+    """Delete the memberships expired before `stale_before` (gone for a whole lease period)
+    whose recorded session is not inside a transaction (ended, or idle: it locks nothing),
+    and return every membership as holder -> expiry, the deleted ones included (one
+    snapshot). One whose session is still inside a transaction (a replica frozen mid-pass)
+    stays, however long, until a pass ends that session (`replica_sessions_terminate`): a
+    replacement that comes late still finds it. Row locks on the rows deleted."""
     rows = fetch_all(
         f"""
-        WITH gone AS (DELETE FROM {REPLICA} WHERE expires_at < %(stale)s)
+        WITH gone AS (
+            DELETE FROM {REPLICA} AS replica
+             WHERE expires_at < %(stale)s
+               AND NOT EXISTS (SELECT 1 FROM pg_stat_activity AS activity
+                                WHERE activity.pid = replica.session_pid
+                                  AND activity.backend_start = replica.session_started_at
+                                  AND activity.xact_start IS NOT NULL)
+        )
         SELECT holder, expires_at FROM {REPLICA}
         """,
         {"stale": stale_before},

@@ -30,7 +30,9 @@ class RunContext:
     _lease: Lease
 
     def heartbeat(self) -> bool:
-        """Renew the lease now; False means this attempt is no longer the run's owner."""
+        """Renew the lease now; True once renewed. False: not renewed, either lost (this
+        attempt may no longer own the run: `cancel_requested` is then True) or not
+        confirmed in time (the database away, or the attempt's row held elsewhere)."""
         return LEASE_KEEPER.renew_now(self._lease)
 
     @property

@@ -1,5 +1,10 @@
 """The process's lease keeper: one thread renews the leases of every attempt the process
-runs, in one statement, and writes a pack's successes that waited long enough."""
+runs, in one statement, and writes a pack's successes that waited long enough.
+
+The renewal waits for no row lock: an attempt whose row another transaction holds (a
+cancel or a reaper ending it; a reaper frozen there holds it for as long as its session
+lasts) is passed over and asked again shortly, so it never keeps the process's other
+leases from being renewed. A heartbeat says True only for a renewal that committed."""
 
 from __future__ import annotations
 
@@ -19,6 +24,8 @@ if TYPE_CHECKING:
     from .recording import Successes
 
 log = logging.getLogger("dispatch.worker")
+# A renewal that failed, or found its attempt's row held elsewhere, is tried again this soon.
+RETRY_SECONDS = 0.5
 
 
 class Lease:
@@ -34,22 +41,27 @@ class Lease:
         # recorded is not staleness.
         self.finishing = False
         self._renewed = threading.Condition()
-        self._renewals = 0  # renewals attempted, successful or not
+        # When (monotonic) a renewal last committed, and last failed (the database away).
+        self.renewed_at = 0.0
+        self.failed_at = 0.0
 
     @property
     def key(self) -> tuple[int, int, float]:
         return (self.attempt.id, self.attempt.fencing_token, self.lease_seconds)
 
     def renew(self) -> bool:
-        """One renewal of this lease alone, from the calling thread; False once it is lost."""
+        """One renewal of this lease alone, from the calling thread; True when it committed
+        (False: lost, its row held by another transaction, or the database away)."""
         try:
-            renewed = attempts_renew_leases(leases=[self.key])
+            renewal = attempts_renew_leases(leases=[self.key])
         except DatabaseError:
             log.warning("lease renewal failed", exc_info=True)
             connection.close()
-            return not self.lost.is_set()
-        self.settle(self.attempt.id in renewed)
-        return not self.lost.is_set()
+            self.failed()
+            return False
+        if self.attempt.id not in renewal.held_elsewhere:
+            self.settle(self.attempt.id in renewal.renewed)
+        return self.attempt.id in renewal.renewed and not self.lost.is_set()
 
     def settle(self, renewed: bool) -> None:
         """The outcome of a renewal: a refusal loses the lease, counted unless a cancel or
@@ -66,7 +78,14 @@ class Lease:
             else:
                 counter_increment("scheduler_stale_completions_total", labels='kind="heartbeat"')
         with self._renewed:
-            self._renewals += 1
+            if renewed:
+                self.renewed_at = time.monotonic()
+            self._renewed.notify_all()
+
+    def failed(self) -> None:
+        """A renewal failed (the database away): a waiting heartbeat returns False."""
+        with self._renewed:
+            self.failed_at = time.monotonic()
             self._renewed.notify_all()
 
     def _attempt_state(self) -> str | None:
@@ -129,17 +148,22 @@ class LeaseKeeper:
     def renew_now(self, lease: Lease) -> bool:
         """A renewal made by the keeper's thread, on its own connection, waited for: a
         handler's heartbeat never writes inside the handler's own transaction (an open
-        `ctx.effect` block would hold it back, and a failure would break that block)."""
+        `ctx.effect` block would hold it back, and a failure would break that block).
+        True only when a renewal committed since the call. False when the lease is lost
+        (`lease.lost` is set), the database did not answer, or the attempt's row stayed
+        held by another transaction (a frozen reaper ending it) for the whole wait."""
         if lease.lost.is_set():
             return False
+        asked = time.monotonic()
+
+        def answered() -> bool:
+            return lease.lost.is_set() or max(lease.renewed_at, lease.failed_at) >= asked
+
         with lease._renewed:
-            seen = lease._renewals
             lease.renew_at = 0.0
             self._poke.set()
-            lease._renewed.wait_for(
-                lambda: lease._renewals > seen, timeout=max(lease.interval, 5.0)
-            )
-        return not lease.lost.is_set()
+            lease._renewed.wait_for(answered, timeout=max(lease.interval, 5.0))
+            return lease.renewed_at >= asked and not lease.lost.is_set()
 
     def _run(self) -> None:
         try:
@@ -182,21 +206,23 @@ class LeaseKeeper:
 
     def _renew(self, due: list[Lease]) -> None:
         try:
-            renewed = attempts_renew_leases(leases=[lease.key for lease in due])
+            renewal = attempts_renew_leases(leases=[lease.key for lease in due])
         except DatabaseError:
             log.warning("lease renewal failed; retrying", exc_info=True)
             connection.close()
             self.failing = True
             for lease in due:
-                lease.renew_at = time.monotonic() + 0.5
-                with lease._renewed:  # a waiting heartbeat learns nothing new, but returns
-                    lease._renewals += 1
-                    lease._renewed.notify_all()
+                lease.renew_at = time.monotonic() + RETRY_SECONDS
+                lease.failed()  # a waiting heartbeat returns, not renewed
             return
         self.failing = False
         for lease in due:
+            if lease.attempt.id in renewal.held_elsewhere:
+                # Neither renewed nor refused: asked again shortly, while the others' go on.
+                lease.renew_at = time.monotonic() + RETRY_SECONDS
+                continue
             lease.renew_at = time.monotonic() + lease.interval
-            lease.settle(lease.attempt.id in renewed)
+            lease.settle(lease.attempt.id in renewal.renewed)
             if lease.lost.is_set():
                 self.release(lease)
 

@@ -212,3 +212,54 @@ def test_a_replica_frozen_with_claimed_jobs_locked_loses_them_with_its_leases(st
         f"a replica frozen with its claim locked, lease {LEASE_SECONDS}s: its jobs' runs "
         f"created by the other at most {lateness:.2f}s after due"
     )
+
+
+# A replacement (a pod restarted) comes this long after the replica froze: past one lease
+# period of its membership's expiry, when the memberships' pruning deletes it.
+REPLACED_AFTER_SECONDS = 30
+
+
+def test_a_replica_frozen_with_claimed_jobs_locked_and_replaced_late_loses_them(
+    stack, report_figure
+):
+    """scheduler-a, alone, freezes right after its claim with the due jobs locked in its
+    open transaction; scheduler-b starts 30 s later (a pod restarted), long after a's
+    membership expired. b ends a's session with its first pass, so the locked jobs run
+    within a lease period of b's joining, not when PostgreSQL's idle-in-transaction timeout
+    (600 s) ends the session."""
+    lease = ("--partition-lease-seconds", str(LEASE_SECONDS))
+    stack.scheduler("scheduler-a", *lease, SCHEDULER_FAILPOINTS="materializer.after_claim=stop")
+    stack.relay()
+    stack.worker("worker", concurrency=2)
+    first = holder_of(stack, "scheduler-a")
+    wait_for(lambda: holdings() == {first: PARTITIONS}, timeout=10, message="a to hold all")
+    due = dt.datetime.now(dt.UTC) + dt.timedelta(seconds=2)
+    jobs = [one_time_job(task="faults.work", due_at=due, args=[0.05]) for _ in range(10)]
+    wait_for(lambda: _state(stack.processes["scheduler-a"].pid) == "T", timeout=20,
+             message="scheduler-a to freeze with its claim")  # fmt: skip
+    time.sleep(REPLACED_AFTER_SECONDS)
+    assert not Run.objects.exists()  # a's claim is locked in its frozen session
+
+    stack.scheduler("scheduler-b", *lease)
+    second = holder_of(stack, "scheduler-b")
+    joined_at = SchedulerReplica.objects.get(holder=second).joined_at
+    wait_for(
+        lambda: Run.objects.filter(state__in=TERMINAL_RUN_STATES).count() == len(jobs),
+        timeout=LEASE_SECONDS + 30,
+        interval=0.1,
+        message="every job's run to finish, a's locked ones included",
+    )
+    assert _state(stack.processes["scheduler-a"].pid) == "T"  # still frozen throughout
+    stack.kill("scheduler-a")
+    assert b"ended 1 scheduler sessions" in stack.log("scheduler-b")
+    per_job = dict(Run.objects.values_list("job_id").annotate(n=Count("id")))
+    assert per_job == {job.id: 1 for job in jobs}
+    assert invariant_violations() == []
+    started = [run.started_at for run in Run.objects.all()]
+    after_takeover = max((at - joined_at).total_seconds() for at in started)
+    assert after_takeover <= LEASE_SECONDS
+    report_figure(
+        f"a lone replica frozen with its claim locked, replaced {REPLACED_AFTER_SECONDS}s "
+        f"later, lease {LEASE_SECONDS}s: its jobs ran at most {after_takeover:.2f}s after "
+        f"the replacement joined"
+    )

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import datetime as dt
 import threading
+import time
 
 import pytest
 from django.db import OperationalError, transaction
@@ -19,7 +20,7 @@ from storage.attempts import (
     lock_timeout_set_local,
 )
 from tests.factories import PINNED_NOW
-from tests.threads import in_thread, wait_for_lock_waiters
+from tests.threads import in_thread
 
 NOW = PINNED_NOW
 
@@ -55,21 +56,22 @@ def test_renewals_extend_the_leases_of_attempts_that_hold_their_token(claimed):
                 LeaseRenewal(stale.id, stale.fencing_token + 1, 60.0),
                 (ended.id, ended.fencing_token, 60.0)],
         now=later(10),
-    )  # fmt: skip
+    ).renewed  # fmt: skip
 
     assert renewed == {held.id}
     held.refresh_from_db()
     assert (held.heartbeat_at, held.lease_expires_at) == (later(10), later(70))
     stale.refresh_from_db()
     assert stale.lease_expires_at == later(30)
-    assert attempts_renew_leases(leases=[]) == set()
+    assert attempts_renew_leases(leases=[]) == (set(), set())
 
 
 @pytest.mark.django_db
 def test_a_renewal_without_an_instant_takes_the_database_clock(claimed):
     attempt = claimed()
 
-    assert attempts_renew_leases(leases=[(attempt.id, attempt.fencing_token, 30.0)]) == {attempt.id}
+    renewal = attempts_renew_leases(leases=[(attempt.id, attempt.fencing_token, 30.0)])
+    assert renewal == ({attempt.id}, set())
     attempt.refresh_from_db()
     # The database's clock, not the pinned one the claim used.
     assert abs(attempt.heartbeat_at - dt.datetime.now(dt.UTC)) < dt.timedelta(minutes=1)
@@ -113,13 +115,15 @@ def test_a_reserved_attempt_s_start_is_written_with_its_success(claimed):
 
 
 @pytest.mark.django_db(transaction=True)
-def test_a_renewal_waiting_on_a_success_does_not_renew_the_attempt_it_ended(claimed):
-    """The renewal's condition is re-checked on the attempt row it waited for: once the
-    success commits, the attempt is no longer running and keeps its final state."""
+def test_a_renewal_meeting_a_success_passes_it_over_then_finds_it_ended(claimed):
+    """The renewal does not wait for the row a success holds: it reports it held
+    elsewhere; once the success commits, the attempt is no longer running and keeps its
+    final state."""
     attempt = claimed()
     written = threading.Event()
     commit = threading.Event()
     results: dict[str, object] = {}
+    lease = [(attempt.id, attempt.fencing_token, 30.0)]
 
     def succeed() -> None:
         with transaction.atomic():
@@ -127,20 +131,16 @@ def test_a_renewal_waiting_on_a_success_does_not_renew_the_attempt_it_ended(clai
             written.set()
             commit.wait(10)
 
-    def renew() -> None:
-        results["renewed"] = attempts_renew_leases(
-            leases=[(attempt.id, attempt.fencing_token, 30.0)]
-        )
-
-    threads = [in_thread(succeed)]
+    thread = in_thread(succeed)
     assert written.wait(10)
-    threads.append(in_thread(renew))
-    wait_for_lock_waiters(1)
-    commit.set()
-    for thread in threads:
+    try:
+        assert attempts_renew_leases(leases=lease) == (set(), {attempt.id})
+    finally:
+        commit.set()
         thread.join(10)
 
-    assert results == {"won": {attempt.id}, "renewed": set()}
+    assert results == {"won": {attempt.id}}
+    assert attempts_renew_leases(leases=lease) == (set(), set())
     attempt.refresh_from_db()
     assert attempt.state == AttemptState.SUCCEEDED
 
@@ -176,3 +176,37 @@ def test_a_bounded_lock_wait_gives_up_on_a_held_row(claimed):
 def test_a_bounded_lock_wait_needs_a_transaction_block():
     with pytest.raises(RuntimeError):
         lock_timeout_set_local(seconds=1)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_renewal_passes_over_an_attempt_another_session_holds(claimed):
+    """A reaper frozen while ending one expired attempt holds its row: the renewal of the
+    same worker's other attempts goes on at once, and says which row it could not reach."""
+    held, free = claimed(), claimed()
+    locked, release = threading.Event(), threading.Event()
+
+    def frozen_reaper() -> None:
+        with transaction.atomic():
+            Attempt.objects.filter(id=held.id, state=AttemptState.RUNNING).update(
+                state=AttemptState.LOST
+            )
+            locked.set()
+            release.wait(5)
+            transaction.set_rollback(True)
+
+    thread = in_thread(frozen_reaper)
+    assert locked.wait(10)
+    try:
+        started = time.monotonic()
+        renewal = attempts_renew_leases(
+            leases=[(held.id, held.fencing_token, 60.0), (free.id, free.fencing_token, 60.0)],
+            now=later(10),
+        )
+        waited = time.monotonic() - started
+    finally:
+        release.set()
+        thread.join(10)
+    assert waited < 1.0, f"the renewal waited {waited:.1f}s for the held row"
+    assert (renewal.renewed, renewal.held_elsewhere) == ({free.id}, {held.id})
+    assert Attempt.objects.get(id=free.id).lease_expires_at == later(70)
+    assert Attempt.objects.get(id=held.id).lease_expires_at == later(30)  # untouched

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import datetime as dt
 import threading
+import time
 import uuid
 
 import pytest
@@ -151,6 +152,32 @@ def test_only_an_expired_replicas_session_inside_a_transaction_is_ended():
             cursor.execute("SELECT 1")  # inside a transaction now
         assert replica_sessions_terminate(holders=["b"], now=at(0.5)) == 0  # not expired yet
         assert replica_sessions_terminate(holders=["b"], now=at(5)) == 1
+    finally:
+        other.close()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_stale_membership_whose_session_is_inside_a_transaction_stays_until_it_ends():
+    """A replica frozen mid-pass, replaced long after its membership expired: the pruning
+    keeps its membership (and so the session to end) however late the replacement comes."""
+    other = connections.create_connection("default")
+    try:
+        other.set_autocommit(False)
+        with other.cursor() as cursor:
+            cursor.execute("SELECT pid, backend_start FROM pg_stat_activity"
+                           " WHERE pid = pg_backend_pid()")  # fmt: skip
+            session = Session(*cursor.fetchone())  # inside a transaction from here
+        replica_membership_renew(holder="frozen", now=at(0), until=at(1), session=session)
+        replica_membership_renew(holder="idle", now=at(0), until=at(1), session=None)
+        assert replicas_prune_and_list(stale_before=at(300)) == {"frozen": at(1), "idle": at(1)}
+        assert replicas_prune_and_list(stale_before=at(300)) == {"frozen": at(1)}
+        assert replica_sessions_terminate(holders=["frozen"], now=at(300)) == 1
+        # pg_terminate_backend only signals: the session ends a moment later.
+        for _ in range(100):
+            if replicas_prune_and_list(stale_before=at(300)) == {}:
+                break
+            time.sleep(0.05)
+        assert replicas_prune_and_list(stale_before=at(300)) == {}
     finally:
         other.close()
 

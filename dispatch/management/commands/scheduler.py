@@ -25,6 +25,16 @@ from dispatch.reconciler import (
 from dispatch.scheduler import SchedulerConfig, SchedulerWake
 from dispatch.wakeup import Listener
 from jobs.notify import CHANNEL_PARTITIONS, CHANNEL_SCHEDULE
+from storage.sessions import session_idle_in_transaction_timeout_set
+
+# The maintenance loops (reaper, reconciliation, pruner, clock skew) run transactions of a
+# few statements with nothing but Python between them: a session of theirs idle inside a
+# transaction this long is a process frozen there (SIGSTOP, a paused VM), and PostgreSQL
+# ends it, releasing the rows it locked (an attempt being reaped, its run). The scheduler
+# loop is not bounded so (a catch-up pass may think long between statements): another
+# replica ends its session when its membership expires (dispatch.partitions).
+LOOP_IDLE_IN_TRANSACTION_SECONDS = 10
+BOUNDED_LOOPS = ("reaper", "reconciler", "pruner", "clock-skew")
 
 
 class Command(BaseCommand):
@@ -80,7 +90,7 @@ class Command(BaseCommand):
             loops = self.loops(options, stop)
         except ValueError as exc:  # a Config refusing an option's value
             raise CommandError(str(exc)) from exc
-        connection_created.connect(self._scheduler_session_opened, weak=False)
+        connection_created.connect(self._session_opened, weak=False)
         self.keeper.first_pass()  # alone, it dispatches every partition from its first pass
         self.stdout.write("scheduler started")
         for loop in loops:
@@ -166,12 +176,17 @@ class Command(BaseCommand):
             )
         return loops
 
-    def _scheduler_session_opened(self, sender, connection, **kwargs) -> None:
-        """The scheduler loop's database session is recorded with the replica's membership:
-        a replica that takes its partitions over after a freeze ends it (dispatch.partitions),
-        so the job rows a frozen pass keeps locked go with the partitions."""
-        if threading.current_thread().name == "scheduler":
+    def _session_opened(self, sender, connection, **kwargs) -> None:
+        """No loop's session may keep rows locked for long once its process froze. The
+        scheduler loop's session is recorded with the replica's membership: a replica that
+        takes its partitions over after a freeze ends it (dispatch.partitions), so the job
+        rows a frozen pass keeps locked go with the partitions. The maintenance loops'
+        sessions are bounded by LOOP_IDLE_IN_TRANSACTION_SECONDS."""
+        name = threading.current_thread().name
+        if name == "scheduler":
             self.keeper.scheduler_session_opened()
+        elif name in BOUNDED_LOOPS:
+            session_idle_in_transaction_timeout_set(seconds=LOOP_IDLE_IN_TRANSACTION_SECONDS)
 
     def loop(
         self,
