@@ -1,6 +1,8 @@
 """storage.tallies: the triggers that keep the metrics' tallies, as their Ddl values install
-and remove them, against PostgreSQL: a released attempt is told by its column, and each
-Ddl's create starts its tallies from the rows already there."""
+and remove them, against PostgreSQL: a released attempt is told by its column, each Ddl's
+create starts its tallies from the rows already there, the triggers only append deltas,
+and a roll-up moves them into one row per series without changing a figure, two roll-ups
+at once included."""
 
 from __future__ import annotations
 
@@ -9,12 +11,12 @@ import uuid
 
 import pytest
 from django.db import connection
-from django.db.models import Sum
 
 from dispatch.reaper import ReaperConfig, reaper_run_once
 from jobs.clock import db_now
-from jobs.models import Attempt, AttemptState, Tally
+from jobs.models import Attempt, AttemptState, Tally, TallyDelta
 from jobs.transitions import RELEASED_ERROR, attempt_fail, runs_reserve
+from storage.metrics import tallies_sum
 from storage.tallies import (
     ATTEMPTS,
     OUTBOX_BACKLOG,
@@ -22,6 +24,7 @@ from storage.tallies import (
     STAGE_HISTOGRAMS,
     STATE_TALLIES,
     STATE_TALLY_TRIGGERS,
+    tallies_roll_up,
 )
 from tests.factories import PINNED_NOW, claim
 
@@ -31,8 +34,8 @@ HISTOGRAM_TRIGGERS = ("run_measure_insert", "run_measure_update", "attempt_measu
 
 
 def tally(name: str, labels: str = "") -> int:
-    rows = Tally.objects.filter(name=name, labels=labels)
-    return rows.aggregate(n=Sum("count"))["n"] or 0
+    """The series as /metrics reads it: rolled-up rows plus pending deltas."""
+    return sum(t.count for t in tallies_sum(names=[name]) if t.labels == labels)
 
 
 def attempts(outcome: str) -> int:
@@ -96,3 +99,30 @@ def test_the_state_tallies_drop_and_create_again_starting_from_the_rows(queued_r
     assert (tally(RUNS_BY_STATE, 'state="queued"'), tally(OUTBOX_BACKLOG)) == (3, 3)
     queued_run(args=[3])
     assert (tally(RUNS_BY_STATE, 'state="queued"'), tally(OUTBOX_BACKLOG)) == (4, 4)
+
+
+def test_the_triggers_append_deltas_and_a_roll_up_moves_them_without_changing_a_figure(
+    queued_run,
+):
+    attempt = claim(queued_run(args=[0]))
+    queued_run(args=[1])
+    assert attempt_fail(attempt=attempt, now=PINNED_NOW, error="x", retry_at=None)
+    before = sorted(tallies_sum(names=[RUNS_BY_STATE, OUTBOX_BACKLOG, ATTEMPTS]))
+    assert not Tally.objects.filter(name=RUNS_BY_STATE).exists()  # nothing updated
+    deltas = TallyDelta.objects.count()
+    assert deltas > 0
+
+    assert tallies_roll_up(limit=2) == 2
+    assert TallyDelta.objects.count() == deltas - 2
+    assert sorted(tallies_sum(names=[RUNS_BY_STATE, OUTBOX_BACKLOG, ATTEMPTS])) == before
+    assert tallies_roll_up(limit=10_000) == deltas - 2
+    assert tallies_roll_up(limit=10_000) == 0
+    assert not TallyDelta.objects.exists()
+    assert sorted(tallies_sum(names=[RUNS_BY_STATE, OUTBOX_BACKLOG, ATTEMPTS])) == before
+    # One rolled-up row per series (running: claimed, then failed).
+    rows = Tally.objects.filter(name=RUNS_BY_STATE).values_list("labels", "shard", "count")
+    assert sorted(rows) == [
+        ('state="failed"', 0, 1),
+        ('state="queued"', 0, 1),
+        ('state="running"', 0, 0),
+    ]
