@@ -12,33 +12,16 @@ stay: they grow with a job's edits, not with its runs.
 
 from __future__ import annotations
 
-from django.db import IntegrityError, transaction
-from django.db.models import F
-
 from storage.retention import runs_delete_terminal
 
-from .models import Tally
+from .models import TallyDelta
 
 # Failed runs deleted by retention, which scheduler_dead_letter_total adds to those kept:
-# a row of jobs_tally (shard 0), so that /metrics reads it in the same statement, and the
-# same snapshot, as the failed runs' tally (a prune between two reads would make the
-# counter drop for one scrape, which Prometheus takes for a reset).
+# a tally (appended as a delta in the prune's transaction, rolled up with the others), so
+# that /metrics reads it in the same statement, and the same snapshot, as the failed runs'
+# tally (a prune between two reads would make the counter drop for one scrape, which
+# Prometheus takes for a reset).
 DEAD_LETTER_PRUNED = "scheduler_dead_letter_pruned"
-
-
-def _dead_letter_pruned_add(count: int) -> None:
-    """Add `count` in the caller's transaction (the prune's)."""
-    if Tally.objects.filter(name=DEAD_LETTER_PRUNED, labels="", shard=0).update(
-        count=F("count") + count
-    ):
-        return
-    try:
-        with transaction.atomic():
-            Tally.objects.create(name=DEAD_LETTER_PRUNED, labels="", shard=0, count=count)
-    except IntegrityError:  # another pruner created it first
-        Tally.objects.filter(name=DEAD_LETTER_PRUNED, labels="", shard=0).update(
-            count=F("count") + count
-        )
 
 
 def runs_delete(*, run_ids: list) -> int:
@@ -48,5 +31,5 @@ def runs_delete(*, run_ids: list) -> int:
     deleted = runs_delete_terminal(run_ids=run_ids)
     # scheduler_dead_letter_total counts failed runs: those pruned stay counted.
     if deleted.failed:
-        _dead_letter_pruned_add(deleted.failed)
+        TallyDelta.objects.create(name=DEAD_LETTER_PRUNED, count=deleted.failed)
     return deleted.rows

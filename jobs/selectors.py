@@ -194,10 +194,10 @@ def oldest_pending_outbox() -> QuerySet:
 
 
 def runs_by_state_and_backlog() -> tuple[dict[str, int], int]:
-    """(runs by state, outbox rows pending): the tallies the triggers keep, summed over the
-    shards (a few dozen rows, however many runs). Under PRUNED_FAILED, the failed runs
-    retention deleted, read in the same snapshot as the failed runs
-    (scheduler_dead_letter_total must never go back)."""
+    """(runs by state, outbox rows pending): the tallies the triggers keep (a few dozen
+    rolled-up rows and the deltas since the last roll-up, however many runs). Under
+    PRUNED_FAILED, the failed runs retention deleted, read in the same snapshot as the
+    failed runs (scheduler_dead_letter_total must never go back)."""
     rows = tallies_sum(names=[RUN_TALLY, BACKLOG_TALLY, DEAD_LETTER_PRUNED])
     runs, backlog = {PRUNED_FAILED: 0}, 0
     for name, labels, count, _total in rows:

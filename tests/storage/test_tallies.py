@@ -7,10 +7,12 @@ at once included."""
 from __future__ import annotations
 
 import datetime as dt
+import threading
+import time
 import uuid
 
 import pytest
-from django.db import connection
+from django.db import connection, transaction
 
 from dispatch.reaper import ReaperConfig, reaper_run_once
 from jobs.clock import db_now
@@ -27,6 +29,7 @@ from storage.tallies import (
     tallies_roll_up,
 )
 from tests.factories import PINNED_NOW, claim
+from tests.threads import in_thread
 
 pytestmark = pytest.mark.django_db
 
@@ -126,3 +129,38 @@ def test_the_triggers_append_deltas_and_a_roll_up_moves_them_without_changing_a_
         ('state="queued"', 0, 1),
         ('state="running"', 0, 0),
     ]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_two_roll_ups_at_once_take_disjoint_deltas_and_lose_none(queued_run):
+    """A roll-up holds its transaction open; a second one meanwhile takes the other deltas
+    (SKIP LOCKED) and waits, at most, on the rolled-up rows the first added to."""
+    for n in range(3):
+        queued_run(args=[n])
+    names = [RUNS_BY_STATE, OUTBOX_BACKLOG]
+    before = sorted(tallies_sum(names=names))
+    deltas = TallyDelta.objects.count()
+    rolled: dict[str, int] = {}
+    first_done, release = threading.Event(), threading.Event()
+
+    def first() -> None:
+        with transaction.atomic():
+            rolled["first"] = tallies_roll_up(limit=2)
+            first_done.set()
+            release.wait(20)
+
+    def second() -> None:
+        assert first_done.wait(20)
+        rolled["second"] = tallies_roll_up(limit=10_000)
+
+    errors: list = []
+    threads = [in_thread(first, errors), in_thread(second, errors)]
+    assert first_done.wait(20)
+    time.sleep(0.3)  # the second takes its deltas, and may wait on a rolled-up row
+    release.set()
+    for thread in threads:
+        thread.join(20)
+    assert errors == []
+    assert rolled == {"first": 2, "second": deltas - 2}
+    assert not TallyDelta.objects.exists()
+    assert sorted(tallies_sum(names=names)) == before
