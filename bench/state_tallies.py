@@ -1,7 +1,7 @@
-"""The price of the state tallies' triggers (jobs/migrations/0020_state_tallies.py) on the
+"""The price of the state tallies' triggers (jobs/migrations/0002_tally_triggers.py) on the
 hot path: the median time of the materializer's INSERT of 1,000 runs, of the relay's DELETE of
 a batch of 1,000 outbox rows, of a claim's UPDATE of one run, and of `attempt_succeed`, with
-the six triggers enabled and disabled (everything else alike, 0008's triggers included).
+the six triggers enabled and disabled (everything else alike, the histograms' triggers included).
 
     .venv/bin/python -m bench.state_tallies [--repeat 30]
 

@@ -33,7 +33,7 @@ from jobs.partitions import PartitionScope
 from jobs.policies import misfire_plan, overlap_decision, run_jitter
 from jobs.schedules import ScheduleError, job_next_fire
 from jobs.services import job_pause, jobs_pause_if_failing, run_cancel_request
-from jobs.transitions import ACTIVE_RUN_STATES
+from jobs.transitions import ACTIVE_RUN_STATES, runs_lock_to_cancel
 from storage.schedule import JobAdvance, ScheduledRun, jobs_due_claim, runs_write_scheduled
 
 from .config import config_require
@@ -151,6 +151,16 @@ def _materialize_due_jobs(
             )  # fmt: skip
     existing = _existing_occurrences(plans, jobs)
     active = _overlap_runs(jobs)
+    # cancel_previous cancels the active runs of several jobs in this transaction: locked
+    # first, in the order a packed success locks them (runs_lock_to_cancel).
+    runs_lock_to_cancel(
+        run_ids=[
+            run.id
+            for job in jobs
+            if job.spec.get("overlap") == "cancel_previous"
+            for run in active.get(job.id, ())
+        ]
+    )
     runs = []
     for job in jobs:
         due, job.next_run_at = plans[job.id]

@@ -10,6 +10,9 @@
 - Run logs (chunks, their stored content, manifests) of attempts finished more than
   `SCHEDULER_LOG_RETENTION_DAYS` ago (`logs_app.retention.logs_prune`; a running attempt's
   logs never are).
+- The tallies' deltas (`storage.tallies`), rolled up into one row per series: up to
+  `tally_batches` transactions of `tally_batch_size` deltas, so what /metrics sums stays
+  about one interval's events.
 
 `manage.py scheduler` runs it in a loop of its own (every `poll_interval`, `--prune-interval`,
 at once again while a batch was full); `manage.py prune_logs` loops the logs part until
@@ -29,6 +32,7 @@ from jobs.retention import runs_delete
 from logs_app.retention import logs_prune, run_logs_delete
 from logs_app.store import stored_content_delete
 from storage.retention import runs_expired_claim
+from storage.tallies import tallies_roll_up
 from storage.throttle import throttle_windows_delete_ended
 
 from .config import config_require
@@ -48,11 +52,21 @@ class PrunerConfig:
     # drains in steps that hold no lock for long.
     run_batch_size: int = 1000
     run_batches: int = 5
+    # Tally deltas rolled up per transaction, and transactions per call: a busy minute
+    # appends some 10 deltas per run.
+    tally_batch_size: int = 20_000
+    tally_batches: int = 10
 
     def __post_init__(self) -> None:
         config_require(
             self,
-            at_least_one=("batch_size", "run_batch_size", "run_batches"),
+            at_least_one=(
+                "batch_size",
+                "run_batch_size",
+                "run_batches",
+                "tally_batch_size",
+                "tally_batches",
+            ),
             positive=("poll_interval", "run_retention_days"),
             non_negative=("logs_retention_days",),
         )
@@ -65,11 +79,13 @@ class PrunerResult:
     idempotency_keys_pruned: int = 0
     throttle_windows_pruned: int = 0
     logs_pruned: int = 0  # chunks and manifests
+    tally_deltas_rolled_up: int = 0
     batch_full: bool = False
 
 
 def pruner_run_once(*, now: dt.datetime, config: PrunerConfig) -> PrunerResult:
     runs, rows, runs_full = _prune_runs(now=now, config=config)
+    deltas, deltas_full = _roll_up_tallies(config=config)
     with transaction.atomic():
         keys = idempotency_prune(now=now, limit=config.batch_size)
     windows = throttle_windows_delete_ended(now=now, limit=config.batch_size)
@@ -83,8 +99,21 @@ def pruner_run_once(*, now: dt.datetime, config: PrunerConfig) -> PrunerResult:
         idempotency_keys_pruned=keys,
         throttle_windows_pruned=windows,
         logs_pruned=logs,
-        batch_full=runs_full or max(keys, windows, logs) >= config.batch_size,
+        tally_deltas_rolled_up=deltas,
+        batch_full=runs_full or deltas_full or max(keys, windows, logs) >= config.batch_size,
     )
+
+
+def _roll_up_tallies(*, config: PrunerConfig) -> tuple[int, bool]:
+    """(deltas rolled up, whether the last batch was full)."""
+    deltas = 0
+    for _ in range(config.tally_batches):
+        with transaction.atomic():
+            rolled = tallies_roll_up(limit=config.tally_batch_size)
+        deltas += rolled
+        if rolled < config.tally_batch_size:
+            return deltas, False
+    return deltas, True
 
 
 def _prune_runs(*, now: dt.datetime, config: PrunerConfig) -> tuple[int, int, bool]:

@@ -550,11 +550,11 @@ class ThrottleWindow(models.Model):
 
 
 class Tally(models.Model):
-    """One shard of a metric that PostgreSQL's triggers keep as the events commit
-    (storage.tallies; docs/operations.md, "Metrics"): a histogram bucket
+    """The rolled-up figure of one series of a metric that PostgreSQL's triggers keep as
+    the events commit (storage.tallies; docs/operations.md, "Metrics"): a histogram bucket
     (`labels` `le="0.5"`: observations in that bucket alone, with their sum) or a counter
-    (`outcome="failed"`). Each database session adds to its own shard, so concurrent
-    workers never wait on one row; /metrics adds the shards up."""
+    (`outcome="failed"`). The triggers never write it: they append `TallyDelta` rows, which
+    the pruner adds in here (`shard` 0, the only one written); /metrics reads both."""
 
     name = models.CharField(max_length=200)
     labels = models.CharField(max_length=400, blank=True, default="")
@@ -570,6 +570,24 @@ class Tally(models.Model):
 
     def __str__(self) -> str:
         return f"{self.name}{{{self.labels}}} #{self.shard} {self.count}"
+
+
+class TallyDelta(models.Model):
+    """What one statement added to a tally's series, appended by the triggers
+    (storage.tallies) in the statement's own transaction: an INSERT, never an UPDATE of a
+    shared row, so no two transactions ever wait on each other for a tally. The pruner
+    rolls them up into `Tally` and deletes them (`storage.tallies.tallies_roll_up`)."""
+
+    name = models.CharField(max_length=200)
+    labels = models.CharField(max_length=400, blank=True, default="")
+    count = models.BigIntegerField(default=0)
+    total = models.FloatField(default=0.0)
+
+    class Meta:
+        db_table = "jobs_tally_delta"
+
+    def __str__(self) -> str:
+        return f"{self.name}{{{self.labels}}} {self.count:+d}"
 
 
 # -- partitions of due work between scheduler replicas (dispatch.partitions) -------------

@@ -191,8 +191,8 @@ def oldest_pending_outbox() -> QuerySet:
 
 
 def runs_by_state_and_backlog() -> tuple[dict[str, int], int]:
-    """(runs by state, outbox rows pending): the tallies the triggers keep, summed over the
-    shards (a few dozen rows, however many runs)."""
+    """(runs by state, outbox rows pending): the tallies the triggers keep (a few dozen
+    rolled-up rows and the deltas since the last roll-up, however many runs)."""
     rows = tallies_sum(names=[RUN_TALLY, BACKLOG_TALLY])
     runs, backlog = {}, 0
     for name, labels, count, _total in rows:

@@ -42,6 +42,7 @@ from .transitions import (
     run_cancel,
     run_count_duplicate_delivery,
     run_replay,
+    runs_lock_to_cancel,
 )
 
 # Spec fields whose change moves the next occurrence.
@@ -216,7 +217,10 @@ def job_cancel(*, job: Job, actor: AbstractBaseUser, now: dt.datetime) -> bool:
             return False
         audit_record(action="job.cancelled", actor=actor, job_id=job.id,
                      data={"from_state": job.state})  # fmt: skip
-        for run in Run.objects.filter(job=job, state__in=ACTIVE_RUN_STATES):
+        runs = list(Run.objects.filter(job=job, state__in=ACTIVE_RUN_STATES))
+        # In the order a packed success locks them (runs_lock_to_cancel).
+        runs_lock_to_cancel(run_ids=[run.id for run in runs])
+        for run in runs:
             run_cancel_request(run=run, actor=actor, now=now)
     return True
 

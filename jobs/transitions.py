@@ -153,6 +153,31 @@ def run_replay(*, run_id) -> bool:
     )
 
 
+def runs_lock_to_cancel(*, run_ids: list) -> None:
+    """Lock what cancelling these runs changes, in the caller's transaction, before it
+    cancels them one by one (the materializer's cancel_previous over several jobs, a job's
+    cancel): first those not running, in id order, so no claim starts an attempt of them
+    meanwhile (a claim in flight is waited for); then every running attempt of them, in id
+    order, the order a packed success takes (storage.attempts.attempts_succeed). Taking an
+    attempt run by run instead deadlocked against packed successes."""
+    ids = list(run_ids)
+    if not ids:
+        return
+    list(
+        Run.objects.select_for_update()
+        .filter(id__in=ids)
+        .exclude(state=RunState.RUNNING)
+        .order_by("id")
+        .values_list("id", flat=True)
+    )
+    list(
+        Attempt.objects.select_for_update()
+        .filter(run_id__in=ids, state=AttemptState.RUNNING)
+        .order_by("id")
+        .values_list("id", flat=True)
+    )
+
+
 def run_cancel(*, run_id, now: dt.datetime) -> bool:
     """Any active state -> cancelled; a running attempt ends `cancelled` in the same
     transaction, so its later heartbeat, effect or completion is refused."""
@@ -477,9 +502,9 @@ def attempt_succeed(*, attempt: Attempt, now: dt.datetime | None = None, result=
 
 def attempts_succeed(*, outcomes: list[tuple[Attempt, object]]) -> set[int]:
     """`attempt_succeed` for many attempts at once, each with its result: one statement
-    (`storage.attempts.attempts_succeed`) updates the attempts and their runs together,
-    each only while it holds its run's current token. The ids of the attempts that won;
-    call inside a transaction."""
+    (`storage.attempts.attempts_succeed`, after one that locks a pack's attempts in id
+    order) updates the attempts and their runs together, each only while it holds its
+    run's current token. The ids of the attempts that won; call inside a transaction."""
     succeeded = storage.attempts.attempts_succeed(
         successes=[
             storage.attempts.Success(

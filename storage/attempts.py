@@ -10,7 +10,7 @@ from typing import NamedTuple
 
 from django.db import connection
 
-from .sql import execute, fetch_one
+from .sql import execute, fetch_all, fetch_one
 
 
 class LeaseRenewal(NamedTuple):
@@ -133,9 +133,19 @@ def attempts_succeed(*, successes: list[Success]) -> Succeeded:
     its attempt is running with its token and its run is running with the same token (the
     current one). Finished at the statement's time. Run inside the caller's transaction (a
     hand edit of a run between the two updates shows as `runs_moved < len(won)`, for the
-    caller to roll back); takes the attempts' and the runs' row locks."""
+    caller to roll back). Takes the attempts' row locks first, in id order and in a
+    statement of their own, as every multi-run cancel takes them
+    (jobs.transitions.runs_lock_to_cancel): in plan order, a pack and the materializer
+    cancelling runs of several jobs deadlocked. The update's snapshot then comes after
+    those locks, so it never waits on a run that has left `running` meanwhile (whose
+    attempt it does not hold: a run leaves `running` only with its attempt's row lock)."""
     if not successes:
         return Succeeded(won=set(), runs_moved=0)
+    if len(successes) > 1:
+        fetch_all(
+            "SELECT id FROM jobs_attempt WHERE id = ANY(%s) ORDER BY id FOR UPDATE",
+            [[success.attempt_id for success in successes]],
+        )
     moved, won = fetch_one(
         _SUCCEED,
         {

@@ -1,5 +1,5 @@
-"""The reads behind /metrics and /readyz: the tallies the triggers keep, summed over their
-shards, and the database's answer to a probe."""
+"""The reads behind /metrics and /readyz: the tallies the triggers keep (rolled-up rows plus
+the deltas not rolled up yet), and the database's answer to a probe."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from .sql import execute, fetch_all
 
 class TallySum(NamedTuple):
     """One series of a tally (`labels` as stored, e.g. `le="0.5"` or `state="queued"`),
-    its shards added up."""
+    its rolled-up rows and pending deltas added up."""
 
     name: str
     labels: str
@@ -20,13 +20,18 @@ class TallySum(NamedTuple):
 
 
 def tallies_sum(*, names: Sequence[str]) -> list[TallySum]:
-    """The tallies called `names`, one row per (name, labels), their shards summed: a few
-    dozen rows however many events they count (tally_unique's index). Reads in the
-    caller's transaction (one snapshot for all names); takes no lock."""
+    """The tallies called `names`, one row per (name, labels): the rolled-up rows (a few
+    dozen, tally_unique's index) plus the deltas appended since the last roll-up (a scan
+    of jobs_tally_delta, as long as the events of one pruner interval). One statement, so
+    one snapshot: a roll-up moves deltas atomically, and a reader sees each once. Reads in
+    the caller's transaction; takes no lock."""
     rows = fetch_all(
-        'SELECT name, labels, SUM(count)::bigint, SUM(total) FROM "jobs_tally" '
-        "WHERE name = ANY(%s) GROUP BY name, labels",
-        [list(names)],
+        "SELECT name, labels, SUM(count)::bigint, SUM(total) FROM ("
+        ' SELECT name, labels, count, total FROM "jobs_tally" WHERE name = ANY(%s)'
+        " UNION ALL"
+        ' SELECT name, labels, count, total FROM "jobs_tally_delta" WHERE name = ANY(%s)'
+        ") AS series GROUP BY name, labels",
+        [list(names), list(names)],
     )
     return [TallySum(name, labels, int(count), float(total)) for name, labels, count, total in rows]
 

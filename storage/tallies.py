@@ -1,10 +1,13 @@
-"""The tallies: metrics the database keeps in `jobs_tally` as the events commit, by trigger.
+"""The tallies: metrics the database keeps as the events commit, by trigger.
 
-Each tally is sharded: a session adds to shard mod(pg_backend_pid(), SHARDS), so concurrent
-workers never wait on one row, and a reader adds the shards up (docs/operations.md,
-"Metrics"). No process keeps a count in memory, a SIGKILL loses nothing that committed, no
-extra statement is sent by anyone, and every path (worker, reaper, reconciler, admin) counts
-alike.
+The triggers only append: each firing INSERTs its additions as rows of `jobs_tally_delta`
+and never updates a shared row, so a tally takes no row lock anyone waits on (no deadlock
+between a claim and a cancel, no claim held behind a long transaction, no ceiling on the
+hot path). `tallies_roll_up` (the pruner's) adds old deltas into the one row per series of
+`jobs_tally` and deletes them; a reader adds the rolled-up rows and the pending deltas
+(`storage.metrics.tallies_sum`; docs/operations.md, "Metrics"). No process keeps a count in
+memory, a SIGKILL loses nothing that committed, no extra statement is sent by anyone, and
+every path (worker, reaper, reconciler, admin) counts alike.
 
 - `STAGE_HISTOGRAMS`: the stage lags, the run duration (histograms of fixed BUCKETS) and
   the attempts by outcome (`scheduler_attempts_total`), by row triggers on jobs_run and
@@ -15,17 +18,16 @@ alike.
   (`scheduler_outbox_backlog`), by statement triggers with transition tables, started from
   the rows already there.
 
-The histograms and state tallies are installed by jobs/migrations/0002_tally_triggers.py,
-the dead letters by 0006_dead_letter_tally.py.
+All three are installed by jobs/migrations/0002_tally_triggers.py.
 """
 
 from .ddl import Ddl
+from .sql import fetch_value
 
 # The buckets (upper bounds, seconds) the histograms count in; a reader exports them even
 # while empty, so every histogram has the same series from its first scrape.
 BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
            300.0, 900.0, 3600.0, 21600.0, 86400.0)  # fmt: skip
-SHARDS = 16  # sessions add to shard mod(pg_backend_pid(), SHARDS)
 
 DISCOVERY_LAG = "scheduler_discovery_lag_seconds"
 PUBLISH_LAG = "scheduler_publish_lag_seconds"
@@ -41,7 +43,8 @@ DEAD_LETTERS_PRUNED = "scheduler_dead_letter_pruned"
 RUN_TABLE = "jobs_run"
 ATTEMPT_TABLE = "jobs_attempt"
 OUTBOX_TABLE = "dispatch_outboxmessage"
-TALLY_TABLE = "jobs_tally"
+TALLY_TABLE = "jobs_tally"  # the rolled-up rows, one per series (shard 0)
+DELTA_TABLE = "jobs_tally_delta"  # what the triggers append
 
 
 # -- the stage histograms and the attempts by outcome -----------------------------------
@@ -58,17 +61,10 @@ def _seconds(end: str, start: str) -> str:
 
 
 def _add(name: str, labels: str, n: str = "1", total: str = "v_seconds") -> str:
-    """PL/pgSQL: add to this session's shard of a tally; an UPDATE (the row exists after a
-    shard's first event), an upsert only the first time."""
+    """PL/pgSQL: append one delta to a tally (an INSERT: no lock on a shared row)."""
     return f"""
-        UPDATE {TALLY_TABLE} SET count = count + {n}, total = total + {total}
-         WHERE name = '{name}' AND labels = {labels} AND shard = v_shard;
-        IF NOT FOUND THEN
-            INSERT INTO {TALLY_TABLE} AS t (name, labels, shard, count, total)
-            VALUES ('{name}', {labels}, v_shard, {n}, {total})
-            ON CONFLICT (name, labels, shard) DO UPDATE
-               SET count = t.count + excluded.count, total = t.total + excluded.total;
-        END IF;"""
+        INSERT INTO {DELTA_TABLE} (name, labels, count, total)
+        VALUES ('{name}', {labels}, {n}, {total});"""
 
 
 def _observe(name: str, seconds: str) -> str:
@@ -90,8 +86,7 @@ SUCCEEDED_LABEL = "'outcome=\"succeeded\"'"
 # never ran, so it is not counted as lost.
 ATTEMPT_ENDED = "OLD.state = 'running' AND NEW.state NOT IN ('running', 'succeeded')"
 ATTEMPT_COUNTED = f"{ATTEMPT_ENDED} AND NOT NEW.released"
-DECLARE = f"""DECLARE
-    v_shard smallint := mod(pg_backend_pid(), {SHARDS});
+DECLARE = """DECLARE
     v_seconds float8;
     v_bucket text;"""
 
@@ -112,9 +107,9 @@ _UPDATED = f"""
     END IF;"""
 
 # PL/pgSQL triggers on generic plans kept for the session (a SQL function's body is planned
-# at every call, and PL/pgSQL's own choice kept re-planning custom plans), adding with an
-# UPDATE of an existing row: ~30 us a firing over the cost of calling a trigger at all, on
-# the 2-core development box, against ~200 us for a SQL function's upsert. The attempts
+# at every call, and PL/pgSQL's own choice kept re-planning custom plans), each observation
+# one appended delta row. Row triggers: a packed success of N runs appends N rows, but
+# takes no lock that another statement could hold in another order. The attempts
 # that finished before the triggers start the counter, so installing them on a database
 # with history does not read as a counter reset.
 STAGE_HISTOGRAMS = Ddl(
@@ -128,12 +123,9 @@ SELECT '{ATTEMPTS}', 'outcome="' || state || '"', 0, count(*), 0
 CREATE FUNCTION scheduler_runs_inserted() RETURNS trigger LANGUAGE plpgsql
     SET plan_cache_mode = force_generic_plan AS $$
 BEGIN
-    INSERT INTO {TALLY_TABLE} AS t (name, labels, shard, count, total)
-    SELECT '{DISCOVERY_LAG}', {_bucket("lag")}, mod(pg_backend_pid(), {SHARDS}),
-           count(*), sum(lag)
-      FROM ({_LAGS}) AS lags GROUP BY 2
-    ON CONFLICT (name, labels, shard) DO UPDATE
-       SET count = t.count + excluded.count, total = t.total + excluded.total;
+    INSERT INTO {DELTA_TABLE} (name, labels, count, total)
+    SELECT '{DISCOVERY_LAG}', {_bucket("lag")}, count(*), sum(lag)
+      FROM ({_LAGS}) AS lags GROUP BY 2;
     RETURN NULL;
 END $$;
 CREATE TRIGGER run_measure_insert AFTER INSERT ON {RUN_TABLE}
@@ -169,6 +161,9 @@ DROP FUNCTION scheduler_attempt_ended();
 DROP FUNCTION scheduler_run_updated();
 DROP FUNCTION scheduler_runs_inserted();
 DELETE FROM {TALLY_TABLE}
+ WHERE name IN ('{DISCOVERY_LAG}', '{PUBLISH_LAG}', '{QUEUE_WAIT}', '{RUN_DURATION}',
+                '{ATTEMPTS}');
+DELETE FROM {DELTA_TABLE}
  WHERE name IN ('{DISCOVERY_LAG}', '{PUBLISH_LAG}', '{QUEUE_WAIT}', '{RUN_DURATION}',
                 '{ATTEMPTS}');
 """,
@@ -211,8 +206,11 @@ DROP FUNCTION scheduler_run_failed();
 INSERT INTO {TALLY_TABLE} (name, labels, shard, count, total)
 SELECT '{DEAD_LETTERS_PRUNED}', '', 0,
        GREATEST((SELECT COALESCE(sum(count), 0) FROM {TALLY_TABLE} WHERE name = '{DEAD_LETTERS}')
+                + (SELECT COALESCE(sum(count), 0) FROM {DELTA_TABLE}
+                    WHERE name = '{DEAD_LETTERS}')
                 - (SELECT count(*) FROM {RUN_TABLE} WHERE state = 'failed'), 0), 0;
 DELETE FROM {TALLY_TABLE} WHERE name = '{DEAD_LETTERS}';
+DELETE FROM {DELTA_TABLE} WHERE name = '{DEAD_LETTERS}';
 """,
 )
 
@@ -221,14 +219,13 @@ DELETE FROM {TALLY_TABLE} WHERE name = '{DEAD_LETTERS}';
 
 
 def _add_deltas(name: str, labels: str, deltas: str) -> str:
-    """SQL: add the signed `deltas` (rows of `state`, `delta`) to this session's shard of
-    tally `name`, one row per label whose net change is not zero (an update that left the
-    state alone writes nothing), in label order (one lock order within a statement)."""
+    """SQL: append the signed `deltas` (rows of `state`, `delta`) to tally `name`, one row
+    per label whose net change is not zero (an update that left the state alone writes
+    nothing)."""
     return f"""
-    INSERT INTO {TALLY_TABLE} AS t (name, labels, shard, count, total)
-    SELECT '{name}', {labels}, mod(pg_backend_pid(), {SHARDS}), sum(delta), 0
-      FROM ({deltas}) AS deltas GROUP BY 2 HAVING sum(delta) <> 0 ORDER BY 2
-    ON CONFLICT (name, labels, shard) DO UPDATE SET count = t.count + excluded.count;"""
+    INSERT INTO {DELTA_TABLE} (name, labels, count, total)
+    SELECT '{name}', {labels}, sum(delta), 0
+      FROM ({deltas}) AS deltas GROUP BY 2 HAVING sum(delta) <> 0;"""
 
 
 RUN_LABEL = "'state=\"' || state || '\"'"
@@ -282,14 +279,15 @@ END $$;""",
 
 # Statement-level triggers with transition tables: a statement that inserts, moves or
 # deletes thousands of rows (the materializer's batch, the relay's delete, the worker's
-# packed successes, retention) adds one row per state it changed to this session's shard,
-# not one write per row. The count and the triggers in one transaction (a migration's),
+# packed successes, retention) appends one delta row per state it changed, not one write
+# per row. The count and the triggers in one transaction (a migration's),
 # with every write to both tables held off meanwhile (reads go on): no row is counted twice
 # or missed between them.
 STATE_TALLIES = Ddl(
     create=f"""
 LOCK TABLE {RUN_TABLE}, {OUTBOX_TABLE} IN SHARE ROW EXCLUSIVE MODE;
 DELETE FROM {TALLY_TABLE} WHERE name IN ('{RUNS_BY_STATE}', '{OUTBOX_BACKLOG}');
+DELETE FROM {DELTA_TABLE} WHERE name IN ('{RUNS_BY_STATE}', '{OUTBOX_BACKLOG}');
 INSERT INTO {TALLY_TABLE} (name, labels, shard, count, total)
 SELECT '{RUNS_BY_STATE}', {RUN_LABEL}, 0, count(*), 0 FROM {RUN_TABLE} GROUP BY state;
 INSERT INTO {TALLY_TABLE} (name, labels, shard, count, total)
@@ -300,5 +298,40 @@ SELECT '{OUTBOX_BACKLOG}', '', 0, count(*), 0 FROM {OUTBOX_TABLE} WHERE state = 
         f"DROP TRIGGER {name} ON {table}; DROP FUNCTION {name}();"
         for name, table in STATE_TALLY_TRIGGERS
     )
-    + f"\nDELETE FROM {TALLY_TABLE} WHERE name IN ('{RUNS_BY_STATE}', '{OUTBOX_BACKLOG}');",
+    + f"\nDELETE FROM {TALLY_TABLE} WHERE name IN ('{RUNS_BY_STATE}', '{OUTBOX_BACKLOG}');"
+    + f"\nDELETE FROM {DELTA_TABLE} WHERE name IN ('{RUNS_BY_STATE}', '{OUTBOX_BACKLOG}');",
 )
+
+
+# -- the roll-up ---------------------------------------------------------------------------
+
+
+def tallies_roll_up(*, limit: int) -> int:
+    """Add up to `limit` committed deltas into their series' rolled-up rows and delete
+    them, in one statement (a reader's snapshot sees them in one place or the other, never
+    both or neither); the number of deltas rolled up. Runs in the caller's transaction.
+    Locks: the deltas it takes, with SKIP LOCKED (two roll-ups take disjoint deltas; the
+    triggers only insert, so nothing else waits), and the rolled-up rows it adds to, in
+    (name, labels) order: concurrent roll-ups wait for each other there, never deadlock."""
+    return int(
+        fetch_value(
+            f"""
+        WITH taken AS (
+            SELECT id FROM {DELTA_TABLE} LIMIT %s FOR UPDATE SKIP LOCKED
+        ), moved AS (
+            DELETE FROM {DELTA_TABLE} d USING taken WHERE d.id = taken.id
+            RETURNING d.name, d.labels, d.count, d.total
+        ), summed AS (
+            SELECT name, labels, sum(count)::bigint AS count, sum(total) AS total,
+                   count(*) AS deltas
+              FROM moved GROUP BY name, labels
+        ), added AS (
+            INSERT INTO {TALLY_TABLE} AS t (name, labels, shard, count, total)
+            SELECT name, labels, 0, count, total FROM summed ORDER BY name, labels
+            ON CONFLICT (name, labels, shard) DO UPDATE
+               SET count = t.count + excluded.count, total = t.total + excluded.total
+        )
+        SELECT coalesce(sum(deltas), 0)::bigint FROM summed""",
+            [limit],
+        )
+    )

@@ -1,20 +1,24 @@
 """storage.tallies: the triggers that keep the metrics' tallies, as their Ddl values install
-and remove them, against PostgreSQL: a released attempt is told by its column, and each
-Ddl's create starts its tallies from the rows already there."""
+and remove them, against PostgreSQL: a released attempt is told by its column, each Ddl's
+create starts its tallies from the rows already there, the triggers only append deltas,
+and a roll-up moves them into one row per series without changing a figure, two roll-ups
+at once included."""
 
 from __future__ import annotations
 
 import datetime as dt
+import threading
+import time
 import uuid
 
 import pytest
-from django.db import connection
-from django.db.models import Sum
+from django.db import connection, transaction
 
 from dispatch.reaper import ReaperConfig, reaper_run_once
 from jobs.clock import db_now
-from jobs.models import Attempt, AttemptState, Run, Tally
+from jobs.models import Attempt, AttemptState, Run, Tally, TallyDelta
 from jobs.transitions import RELEASED_ERROR, attempt_fail, runs_reserve
+from storage.metrics import tallies_sum
 from storage.tallies import (
     ATTEMPTS,
     DEAD_LETTER_TALLY,
@@ -25,8 +29,10 @@ from storage.tallies import (
     STAGE_HISTOGRAMS,
     STATE_TALLIES,
     STATE_TALLY_TRIGGERS,
+    tallies_roll_up,
 )
 from tests.factories import PINNED_NOW, claim
+from tests.threads import in_thread
 
 pytestmark = pytest.mark.django_db
 
@@ -34,8 +40,8 @@ HISTOGRAM_TRIGGERS = ("run_measure_insert", "run_measure_update", "attempt_measu
 
 
 def tally(name: str, labels: str = "") -> int:
-    rows = Tally.objects.filter(name=name, labels=labels)
-    return rows.aggregate(n=Sum("count"))["n"] or 0
+    """The series as /metrics reads it: rolled-up rows plus pending deltas."""
+    return sum(t.count for t in tallies_sum(names=[name]) if t.labels == labels)
 
 
 def attempts(outcome: str) -> int:
@@ -121,3 +127,65 @@ def test_the_dead_letters_drop_and_create_again_keeping_the_failed_runs_deleted(
     run_script(DEAD_LETTER_TALLY.create)
     assert installed(["run_failed_dead_letter"]) == 1
     assert (tally(DEAD_LETTERS), tally(DEAD_LETTERS_PRUNED)) == (3, 0)
+
+
+def test_the_triggers_append_deltas_and_a_roll_up_moves_them_without_changing_a_figure(
+    queued_run,
+):
+    attempt = claim(queued_run(args=[0]))
+    queued_run(args=[1])
+    assert attempt_fail(attempt=attempt, now=PINNED_NOW, error="x", retry_at=None)
+    before = sorted(tallies_sum(names=[RUNS_BY_STATE, OUTBOX_BACKLOG, ATTEMPTS]))
+    assert not Tally.objects.filter(name=RUNS_BY_STATE).exists()  # nothing updated
+    deltas = TallyDelta.objects.count()
+    assert deltas > 0
+
+    assert tallies_roll_up(limit=2) == 2
+    assert TallyDelta.objects.count() == deltas - 2
+    assert sorted(tallies_sum(names=[RUNS_BY_STATE, OUTBOX_BACKLOG, ATTEMPTS])) == before
+    assert tallies_roll_up(limit=10_000) == deltas - 2
+    assert tallies_roll_up(limit=10_000) == 0
+    assert not TallyDelta.objects.exists()
+    assert sorted(tallies_sum(names=[RUNS_BY_STATE, OUTBOX_BACKLOG, ATTEMPTS])) == before
+    # One rolled-up row per series (running: claimed, then failed).
+    rows = Tally.objects.filter(name=RUNS_BY_STATE).values_list("labels", "shard", "count")
+    assert sorted(rows) == [
+        ('state="failed"', 0, 1),
+        ('state="queued"', 0, 1),
+        ('state="running"', 0, 0),
+    ]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_two_roll_ups_at_once_take_disjoint_deltas_and_lose_none(queued_run):
+    """A roll-up holds its transaction open; a second one meanwhile takes the other deltas
+    (SKIP LOCKED) and waits, at most, on the rolled-up rows the first added to."""
+    for n in range(3):
+        queued_run(args=[n])
+    names = [RUNS_BY_STATE, OUTBOX_BACKLOG]
+    before = sorted(tallies_sum(names=names))
+    deltas = TallyDelta.objects.count()
+    rolled: dict[str, int] = {}
+    first_done, release = threading.Event(), threading.Event()
+
+    def first() -> None:
+        with transaction.atomic():
+            rolled["first"] = tallies_roll_up(limit=2)
+            first_done.set()
+            release.wait(20)
+
+    def second() -> None:
+        assert first_done.wait(20)
+        rolled["second"] = tallies_roll_up(limit=10_000)
+
+    errors: list = []
+    threads = [in_thread(first, errors), in_thread(second, errors)]
+    assert first_done.wait(20)
+    time.sleep(0.3)  # the second takes its deltas, and may wait on a rolled-up row
+    release.set()
+    for thread in threads:
+        thread.join(20)
+    assert errors == []
+    assert rolled == {"first": 2, "second": deltas - 2}
+    assert not TallyDelta.objects.exists()
+    assert sorted(tallies_sum(names=names)) == before
