@@ -254,11 +254,11 @@ class EmbeddedPostgres:
     def _database_create(self) -> None:
         import psycopg
 
+        from storage.server import database_create_if_missing
+
         with psycopg.connect(host=str(self.socket_dir), port=PORT, user=SUPERUSER,
                              dbname="postgres", autocommit=True) as conn:  # fmt: skip
-            if conn.execute("SELECT 1 FROM pg_database WHERE datname = %s", [DATABASE]).fetchone():
-                return
-            conn.execute(f'CREATE DATABASE "{DATABASE}"')
+            database_create_if_missing(connection=conn, name=DATABASE)
 
     def _postmaster(self) -> int | None:
         """The pid of the server running on this data directory, if any."""
