@@ -35,7 +35,10 @@ def _row_locked(attempt_id: int) -> bool:
         return True
 
 
-@pytest.mark.xfail(strict=False, reason="setup race seen once in CI: the row was already free when the freeze was observed (the 10 s bound may pass first on a loaded box); to be made deterministic")
+@pytest.mark.xfail(
+    strict=False,
+    reason="setup race seen once in CI: the row was already free when the freeze was observed (the 10 s bound may pass first on a loaded box); to be made deterministic",
+)
 def test_a_reaper_frozen_while_ending_an_attempt_lets_its_rows_go(stack, report_figure):
     """The reaper freezes (SIGSTOP, by a failpoint) with an expired attempt ended in its
     open transaction, holding the attempt's and the run's rows: its session is ended after
