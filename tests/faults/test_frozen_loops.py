@@ -37,7 +37,7 @@ def _row_locked(attempt_id: int) -> bool:
 
 @pytest.mark.xfail(
     strict=False,
-    reason="setup race seen once in CI: the row was already free when the freeze was observed (the 10 s bound may pass first on a loaded box); to be made deterministic",
+    reason="setup race seen once in CI: the row was free when the freeze was observed",
 )
 def test_a_reaper_frozen_while_ending_an_attempt_lets_its_rows_go(stack, report_figure):
     """The reaper freezes (SIGSTOP, by a failpoint) with an expired attempt ended in its
