@@ -34,7 +34,13 @@ from jobs.policies import misfire_plan, overlap_decision, run_jitter
 from jobs.schedules import ScheduleError, job_next_fire
 from jobs.services import job_pause, jobs_pause_if_failing, run_cancel_request
 from jobs.transitions import ACTIVE_RUN_STATES, runs_lock_to_cancel
-from storage.schedule import JobAdvance, ScheduledRun, jobs_due_claim, runs_write_scheduled
+from storage.schedule import (
+    DueJob,
+    JobAdvance,
+    ScheduledRun,
+    jobs_due_claim,
+    runs_write_scheduled,
+)
 
 from .config import config_require
 from .failpoints import failpoint
@@ -46,22 +52,6 @@ OCCURRENCES_PER_JOB_PER_PASS = 100
 # and buffer_one look at the newest (and whether one is pending), cancel_previous cancels
 # them, and an older excess (only after a policy change) is cancelled by the next passes.
 OVERLAP_RUNS_PER_JOB = 100
-
-
-@dataclasses.dataclass(slots=True)
-class DueJob:
-    """What a pass reads of a claimed job, its row locked until the pass commits: no model
-    instance (three of them a run were most of a pass's CPU). Its spec is its current
-    version's, read once."""
-
-    id: uuid.UUID
-    state: str
-    version_id: int
-    spec: dict
-    next_run_at: dt.datetime | None
-    created_at: dt.datetime
-    resumed_at: dt.datetime | None
-    owner_id: int
 
 
 @dataclasses.dataclass(slots=True)
@@ -118,8 +108,7 @@ def _claim_due_jobs(
     """Up to `limit` due active jobs, their rows locked (storage.schedule.jobs_due_claim):
     of the partitions `scope`'s holder holds at that statement, with a scope."""
     holder, partitions = (scope.holder, scope.partitions) if scope is not None else (None, 0)
-    rows = jobs_due_claim(now=now, limit=limit, holder=holder, partitions=partitions)
-    return [DueJob(*row) for row in rows]
+    return jobs_due_claim(now=now, limit=limit, holder=holder, partitions=partitions)
 
 
 def _materialize_due_jobs(

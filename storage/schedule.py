@@ -7,6 +7,7 @@ storage.outbox.outbox_insert_select's head).
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import json
 import uuid
@@ -24,8 +25,11 @@ SCHEDULED = "scheduled"  # jobs.models.RunKind.SCHEDULED
 QUEUED, SKIPPED = "queued", "skipped"  # jobs.models.RunState
 
 
-class DueJob(NamedTuple):
-    """A claimed job as the materializer reads it: its current version's spec included."""
+@dataclasses.dataclass(slots=True)
+class DueJob:
+    """A claimed job as the materializer reads it, its row locked until the pass commits:
+    its current version's spec included, read once. Not a model instance (three of them a
+    run were most of a pass's CPU); mutable, as the pass advances its next_run_at."""
 
     id: uuid.UUID
     state: str

@@ -24,6 +24,7 @@ from jobs.models import (
 from jobs.partitions import job_partition
 from storage import schedule
 from storage.schedule import (
+    DueJob,
     JobAdvance,
     ScheduledRun,
     ScheduledWrite,
@@ -71,8 +72,8 @@ def test_the_claim_reads_due_active_jobs_with_their_current_spec_in_due_order(us
     (claimed,) = jobs_due_claim(now=NOW, limit=10)
     job = Job.objects.get(id=jobs[1].id)
     version = job.versions.get(version=job.version)
-    assert claimed == (job.id, JobState.ACTIVE, version.id, version.spec, job.next_run_at,
-                       job.created_at, job.resumed_at, job.owner_id)  # fmt: skip
+    assert claimed == DueJob(job.id, JobState.ACTIVE, version.id, version.spec, job.next_run_at,
+                             job.created_at, job.resumed_at, job.owner_id)  # fmt: skip
     assert isinstance(claimed.spec, dict)
     assert [row.id for row in jobs_due_claim(now=NOW + dt.timedelta(seconds=1), limit=1)] == [
         jobs[1].id
