@@ -21,7 +21,7 @@ from tests.faults.invariants import invariant_violations
 from tests.processes import wait_for
 
 # RabbitMQ and PostgreSQL are each restarted once.
-pytestmark = [pytest.mark.slow, pytest.mark.faults, restarts_services]
+pytestmark = [pytest.mark.slow, pytest.mark.faults, pytest.mark.drill, restarts_services]
 
 RUNS = 300
 DUE_OVER_SECONDS = 45
