@@ -93,7 +93,7 @@ class Client:
         *,
         profile: str | None = None,
         timeout: float = 60.0,
-        retries: int = 8,
+        retries: int | None = None,
         backoff: float = 0.5,
         max_backoff: float = 10.0,
         transport: httpx.BaseTransport | None = None,
@@ -105,7 +105,7 @@ class Client:
         if not root.endswith("/api/v1"):
             root += "/api/v1"
         self.api_root = root + "/"
-        self.retries = retries
+        self.retries = found.retries if retries is None else retries
         self.backoff = backoff
         self.max_backoff = max_backoff
         headers = {"User-Agent": USER_AGENT, "Accept": "application/json"}

@@ -10,6 +10,8 @@ the file's `default`:
     token = "..."
 
 `SCHEDULER_CONFIG` names another file. Environment variables win over the profile.
+`SCHEDULER_RETRIES` (or a profile's `retries`, default 8): how many times a request is
+retried after a dropped connection, 429, 502, 503 or 504.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ class Settings:
     url: str
     token: str | None
     profile: str | None
+    retries: int = 8
 
 
 def config_path() -> Path:
@@ -58,4 +61,5 @@ def settings_load(*, profile: str | None = None) -> Settings:
         url=os.environ.get("SCHEDULER_URL") or found.get("url") or DEFAULT_URL,
         token=os.environ.get("SCHEDULER_TOKEN") or found.get("token"),
         profile=profile,
+        retries=int(os.environ.get("SCHEDULER_RETRIES") or found.get("retries") or 8),
     )
