@@ -96,7 +96,19 @@ def changed_fields(current: dict, desired: dict) -> list[str]:
 
 
 def _canonical(value) -> str:
-    return json.dumps(value, sort_keys=True, separators=(",", ":"))
+    """JSON with sorted keys and whole floats as integers: a default (10) and the same value
+    given (10.0 once validated) are one value."""
+    return json.dumps(_numbers(value), sort_keys=True, separators=(",", ":"))
+
+
+def _numbers(value):
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, dict):
+        return {key: _numbers(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_numbers(item) for item in value]
+    return value
 
 
 def apply_plan(client: Client, bodies: list[dict], *, prune: bool) -> tuple[list[Change], dict]:
