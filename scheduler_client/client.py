@@ -151,15 +151,18 @@ class Client:
             headers["Content-Type"] = "application/json"
         elif raw is not None:
             content, headers["Content-Type"] = raw
-        url = self.url(path)
-        params = {k: v for k, v in (params or {}).items() if v is not None}
+        # A `next` link carries its own query: the parameters are added to it (httpx would
+        # replace it).
+        url = str(
+            httpx.URL(self.url(path)).copy_merge_params(
+                {k: v for k, v in (params or {}).items() if v is not None}
+            )
+        )
         extra = {"timeout": timeout} if timeout is not None else {}
         attempt = 0
         while True:
             try:
-                response = self.http.request(
-                    method, url, content=content, params=params, headers=headers, **extra
-                )
+                response = self.http.request(method, url, content=content, headers=headers, **extra)
             except httpx.TransportError as exc:
                 if attempt >= self.retries:
                     raise ConnectionFailed(f"{method} {url}: {exc or type(exc).__name__}") from exc

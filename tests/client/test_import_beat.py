@@ -122,10 +122,16 @@ def test_import_beat_then_apply_fires_when_celery_would(live_server, transaction
 
     assert bodies["heartbeat-seconds"]["args"] == [1]
     assert bodies["sweep-timedelta"] == {
-        "name": "sweep-timedelta", "task": "tests.record",
-        "schedule": {"kind": "interval", "every_seconds": 300}, "kwargs": {"mode": "sweep"}}  # fmt: skip
+        "name": "sweep-timedelta",
+        "task": "tests.record",
+        "schedule": {"kind": "interval", "every_seconds": 300},
+        "kwargs": {"mode": "sweep"},
+    }
     assert bodies["weekday-morning"]["schedule"] == {
-        "kind": "cron", "expression": "30 7 * * MON-FRI", "timezone": "America/New_York"}  # fmt: skip
+        "kind": "cron",
+        "expression": "30 7 * * MON-FRI",
+        "timezone": "America/New_York",
+    }
     assert bodies["weekday-morning"]["queue"] == "jobs"
     assert bodies["office-hours"]["priority"] == 5
 

@@ -151,3 +151,37 @@ def test_the_client_imports_no_django():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]"
+
+
+def test_retries_keep_the_idempotency_key_and_honour_retry_after(monkeypatch):
+    import httpx
+
+    from scheduler_client import ApiError, Client
+
+    seen, slept = [], []
+    answers = iter([
+        httpx.Response(429, headers={"Retry-After": "3"}, json={"detail": "slow down"}),
+        httpx.Response(503, json={"detail": "The database is unavailable"}),
+        httpx.ConnectError("refused"),
+        httpx.Response(201, json={"id": "1", "name": "n", "state": "active", "version": 1}),
+    ])  # fmt: skip
+
+    def handler(request):
+        seen.append(request.headers.get("Idempotency-Key"))
+        answer = next(answers)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    monkeypatch.setattr("scheduler_client.client.time.sleep", slept.append)
+    client = Client("http://server", "t", transport=httpx.MockTransport(handler), retries=5)
+    job = client.job_create({"name": "n"})
+    assert job.id == "1" and job.version == 1
+    assert len(seen) == 4 and len(set(seen)) == 1 and seen[0]
+    assert slept[0] >= 3  # Retry-After honoured
+    assert slept[1] < slept[2] * 4 + 1  # then backoff, bounded
+    # Out of retries: the API's message.
+    refusing = Client("http://server", "t", retries=1, transport=httpx.MockTransport(
+        lambda request: httpx.Response(503, json={"detail": "down"})))  # fmt: skip
+    with pytest.raises(ApiError, match="503: down"):
+        refusing.jobs().__next__()
