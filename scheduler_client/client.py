@@ -106,6 +106,7 @@ class Client:
             root += "/api/v1"
         self.api_root = root + "/"
         self.retries = found.retries if retries is None else retries
+        self.transport_retries = 0  # of the latest call (see _job_action)
         self.backoff = backoff
         self.max_backoff = max_backoff
         headers = {"User-Agent": USER_AGENT, "Accept": "application/json"}
@@ -164,6 +165,7 @@ class Client:
             try:
                 response = self.http.request(method, url, content=content, headers=headers, **extra)
             except httpx.TransportError as exc:
+                self.transport_retries += 1
                 if attempt >= self.retries:
                     raise ConnectionFailed(f"{method} {url}: {exc or type(exc).__name__}") from exc
                 self._sleep(attempt, None)
@@ -230,13 +232,26 @@ class Client:
         self.request("DELETE", f"jobs/{job_id}/")
 
     def job_pause(self, job_id: str) -> Job:
-        return Job.from_api(self.post(f"jobs/{job_id}/pause/"))
+        return self._job_action(job_id, "pause", "paused")
 
     def job_resume(self, job_id: str) -> Job:
-        return Job.from_api(self.post(f"jobs/{job_id}/resume/"))
+        return self._job_action(job_id, "resume", "active")
 
     def job_cancel(self, job_id: str) -> Job:
-        return Job.from_api(self.post(f"jobs/{job_id}/cancel/"))
+        return self._job_action(job_id, "cancel", "cancelled")
+
+    def _job_action(self, job_id: str, action: str, reached: str) -> Job:
+        """A state change that the API does not key by Idempotency-Key: when it was
+        retried after a dropped connection and answers 409 from the very state it leads
+        to, the first try did it: the job is answered, not the 409."""
+        self.transport_retries = 0
+        try:
+            return Job.from_api(self.post(f"jobs/{job_id}/{action}/"))
+        except ApiError as exc:
+            state = exc.body.get("state") if isinstance(exc.body, dict) else None
+            if exc.status == 409 and state == reached and self.transport_retries:
+                return self.job(job_id)
+            raise
 
     def job_trigger(self, job_id: str, *, idempotency_key: str | None = None) -> Run:
         return Run.from_api(self.post(f"jobs/{job_id}/trigger/", idempotency_key=idempotency_key))

@@ -138,3 +138,28 @@ def test_the_api_keeps_managed_names_unique(live_server, transactional_db):
     dry = api.post("/api/v1/jobs/?dry_run=true", plain, format="json")
     assert dry.status_code == 200 and dry.json()["retry"]["max_attempts"] == 3
     assert Job.objects.count() == before
+
+
+def test_concurrent_creations_of_one_managed_name_make_one_job(live_server, transactional_db):
+    import threading
+
+    import requests
+
+    token = token_for(owner("racer"))
+    body = {"name": "raced", "task": "tests.record", "labels": {"managed-by": "schedctl"},
+            "schedule": {"kind": "interval", "every_seconds": 60}}  # fmt: skip
+    barrier = threading.Barrier(6)
+
+    def create(index: int) -> int:
+        barrier.wait()
+        return requests.post(
+            f"{live_server.url}/api/v1/jobs/",
+            json=body,
+            headers={"Authorization": f"Token {token}", "Idempotency-Key": f"k{index}"},
+            timeout=60,
+        ).status_code
+
+    with ThreadPoolExecutor(6) as pool:
+        statuses = sorted(pool.map(create, range(6)))
+    assert statuses == [201] + [409] * 5
+    assert Job.objects.filter(name="raced").count() == 1

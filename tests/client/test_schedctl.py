@@ -185,3 +185,40 @@ def test_retries_keep_the_idempotency_key_and_honour_retry_after(monkeypatch):
         lambda request: httpx.Response(503, json={"detail": "down"})))  # fmt: skip
     with pytest.raises(ApiError, match="503: down"):
         refusing.jobs().__next__()
+
+
+def test_a_pause_whose_answer_was_lost_is_not_reported_as_refused():
+    import httpx
+
+    from scheduler_client import Client
+
+    calls = []
+
+    def handler(request):
+        calls.append(request.method)
+        if len(calls) == 1:
+            raise httpx.ReadError("connection dropped after the server paused it")
+        if request.method == "POST":
+            return httpx.Response(409, json={"detail": "already paused", "state": "paused"})
+        return httpx.Response(200, json={"id": "j", "state": "paused", "version": 1})
+
+    client = Client("http://server", "t", transport=httpx.MockTransport(handler), backoff=0)
+    assert client.job_pause("j").state == "paused"
+    assert calls == ["POST", "POST", "GET"]
+
+
+def test_server_and_token_from_a_profile(tmp_path, monkeypatch):
+    from scheduler_client.config import settings_load
+
+    config = tmp_path / "config.toml"
+    config.write_text('default = "prod"\n[profiles.prod]\nurl = "https://prod"\ntoken = "p"\n'
+                      '[profiles.dev]\nurl = "http://dev"\ntoken = "d"\nretries = 2\n')  # fmt: skip
+    for name in ("SCHEDULER_URL", "SCHEDULER_TOKEN", "SCHEDULER_PROFILE", "SCHEDULER_RETRIES"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("SCHEDULER_CONFIG", str(config))
+    assert settings_load().url == "https://prod" and settings_load().token == "p"
+    assert settings_load(profile="dev").retries == 2
+    monkeypatch.setenv("SCHEDULER_TOKEN", "from-env")  # the environment wins
+    assert settings_load(profile="dev").token == "from-env"
+    with pytest.raises(ValueError, match="no profile 'nope'"):
+        settings_load(profile="nope")
