@@ -67,7 +67,7 @@ def api_command(command):
         except ConnectionFailed as exc:
             err.print(f"[red]Error:[/red] cannot reach the server: {exc}", highlight=False)
             sys.exit(1)
-        except (ValueError, OSError) as exc:
+        except (ValueError, OSError, ImportError) as exc:
             err.print(f"[red]Error:[/red] {exc}", highlight=False)
             sys.exit(1)
 
