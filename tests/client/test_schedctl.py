@@ -98,7 +98,9 @@ def test_failures_exit_non_zero_with_the_apis_message(ctl):
 
     # Commands whose endpoints other parts of the API add: a clean refusal where absent.
     # (tests/client/test_commands_of_other_endpoints.py checks them against their paths.)
-    for args in (["queues", "list"], ["runs", "cancel", "--filter", "state=queued"]):
+    occurrences = ["jobs", "occurrences", job_id, "--from", "2026-01-01T00:00:00Z",
+                   "--to", "2026-01-02T00:00:00Z"]  # fmt: skip
+    for args in (["queues", "list"], ["runs", "cancel", "--filter", "state=queued"], occurrences):
         answer = ctl(*args)
         assert answer.code in (0, 1), answer
         if answer.code == 1:
