@@ -65,6 +65,11 @@ class AttemptState(models.TextChoices):
     CANCELLED = "cancelled"  # the run was cancelled while it ran
 
 
+# A job labelled `managed-by` (any value) has a name unique among its owner's live jobs.
+MANAGED_LABEL = "managed-by"
+MANAGED_NAME_CONSTRAINT = "job_managed_name_uniq"
+
+
 class Job(models.Model):
     id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
     owner = models.ForeignKey(
@@ -109,6 +114,18 @@ class Job(models.Model):
         ]
         constraints = [
             models.CheckConstraint(condition=Q(state__in=JobState.values), name="job_state_valid"),
+            # Jobs kept as code (`schedctl apply`, or any tool that labels its jobs
+            # `managed-by`): one live job per owner and name, so the name is their key and
+            # two concurrent applies of one file cannot both create it (docs/api.md).
+            models.UniqueConstraint(
+                fields=["owner", "name"],
+                condition=Q(
+                    state__in=["active", "paused"],
+                    deleted_at=None,
+                    labels__has_key=MANAGED_LABEL,
+                ),
+                name=MANAGED_NAME_CONSTRAINT,
+            ),
         ]
 
     def __str__(self) -> str:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import datetime as dt
 
+from django.db import IntegrityError, transaction
 from django.http import Http404
 from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import OpenApiParameter
@@ -16,6 +17,7 @@ from rest_framework.views import exception_handler
 
 from ..clock import db_now
 from ..idempotency import IdempotencyConflict, idempotency_key_problem, idempotent_answer
+from ..models import MANAGED_LABEL, MANAGED_NAME_CONSTRAINT, Job
 from ..selectors import job_get
 from ..services import JobQuotaExceeded
 
@@ -121,3 +123,44 @@ def visible_job(request, job_id):
 
 def conflict(detail: str, *, state: str) -> Response:
     return Response({"detail": detail, "state": state}, status=status.HTTP_409_CONFLICT)
+
+
+def managed_name_taken(exc: IntegrityError) -> bool:
+    """The violation is of the unique name of managed jobs (jobs.models.Job)."""
+    diag = getattr(exc.__cause__, "diag", None)
+    return getattr(diag, "constraint_name", None) == MANAGED_NAME_CONSTRAINT
+
+
+def managed_name_conflict(*, owner, name: str) -> Response:
+    """409 naming the live managed job that holds `name` (the caller's own)."""
+    holder = (
+        Job.objects.filter(owner=owner, name=name, deleted_at=None, state__in=["active", "paused"])
+        .filter(labels__has_key=MANAGED_LABEL)
+        .values_list("id", flat=True)
+        .first()
+    )
+    return Response(
+        {
+            "detail": f"A live job labelled {MANAGED_LABEL} is already named {name!r}: names of "
+            "managed jobs are unique per owner.",
+            "name": name,
+            "job": str(holder) if holder else None,
+        },
+        status=status.HTTP_409_CONFLICT,
+    )
+
+
+def unique_name_guard(write):
+    """Run `write()` in a savepoint; a managed job's name already taken raises
+    ManagedNameTaken (the caller answers 409), any other integrity error propagates."""
+    try:
+        with transaction.atomic():
+            return write()
+    except IntegrityError as exc:
+        if managed_name_taken(exc):
+            raise ManagedNameTaken from exc
+        raise
+
+
+class ManagedNameTaken(Exception):
+    pass

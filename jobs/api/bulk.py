@@ -19,7 +19,9 @@ from ..idempotency import (
     idempotency_store,
     request_hash,
 )
+from ..models import MANAGED_LABEL
 from ..services import job_create_bulk
+from .base import ManagedNameTaken, unique_name_guard
 from .jobs import CREATE_SCOPE, JobOutput
 from .validation import JobSpecSerializer, job_spec_check
 
@@ -144,12 +146,22 @@ class JobBulkApi(APIView):
                 transaction.set_rollback(True)
                 return _bulk_refusal(errors, keys, earlier)
             fresh = [index for index, key in enumerate(keys) if key not in earlier]
-            jobs = job_create_bulk(
-                owner=request.user,
-                specs=[specs[index] for index in fresh],
-                first_fires=[firsts[index] for index in fresh],
-                now=now,
-            )
+            try:
+                jobs = unique_name_guard(
+                    lambda: job_create_bulk(
+                        owner=request.user,
+                        specs=[specs[index] for index in fresh],
+                        first_fires=[firsts[index] for index in fresh],
+                        now=now,
+                    )
+                )
+            except ManagedNameTaken:
+                transaction.set_rollback(True)
+                return Response(
+                    {"detail": f"A job labelled {MANAGED_LABEL} names one its owner already "
+                     "has live (or twice in this request): none was created."},
+                    status=status.HTTP_409_CONFLICT,
+                )  # fmt: skip
             bodies = JobOutput(jobs, many=True).data
             answers = [earlier[key].response_body if key in earlier else None for key in keys]
             for index, body in zip(fresh, bodies, strict=True):

@@ -29,12 +29,15 @@ from ..services import (
 from .base import (
     IDEMPOTENCY_KEY,
     IF_MATCH,
+    ManagedNameTaken,
     NewestFirst,
     Problem,
     conflict,
     idempotent_response,
+    managed_name_conflict,
     paginated,
     read_filters,
+    unique_name_guard,
     visible_job,
 )
 from .refusals import refusal, schedule_refusal
@@ -116,6 +119,21 @@ class JobFilters(serializers.Serializer):
     )
 
 
+class DryRun(serializers.Serializer):
+    dry_run = serializers.BooleanField(
+        required=False,
+        default=False,
+        help_text="Validate only: answer 200 with the body as it would be stored (every "
+        "default filled in), create nothing.",
+    )
+
+
+def _dry_run(request) -> bool:
+    query = DryRun(data=request.query_params)
+    query.is_valid(raise_exception=True)
+    return query.validated_data["dry_run"]
+
+
 class JobListApi(APIView):
     pagination_class = NewestFirst
 
@@ -128,8 +146,8 @@ class JobListApi(APIView):
 
     @extend_schema(
         request=JobSpecSerializer,
-        parameters=[IDEMPOTENCY_KEY],
-        responses={201: JobOutput, 409: Problem},
+        parameters=[IDEMPOTENCY_KEY, DryRun],
+        responses={201: JobOutput, 200: JobSpecSerializer, 409: Problem},
         examples=[
             OpenApiExample(
                 "Weekday mornings in Berlin",
@@ -151,13 +169,24 @@ class JobListApi(APIView):
     )
     def post(self, request):
         now = db_now()
+        if _dry_run(request):
+            # The body as it would be stored, every default filled in; nothing written, no
+            # key recorded (`schedctl apply` compares it with a job's spec).
+            spec, _first = job_spec_check(request.data, now=now)
+            return Response(spec)
 
         def create() -> Answer:
             spec, first = job_spec_check(request.data, now=now)
-            # job_create's rows, written in one statement rather than three.
-            [job] = job_create_bulk(
-                owner=request.user, specs=[spec], first_fires=[first], now=now, bulk=False
-            )
+            try:
+                # job_create's rows, written in one statement rather than three.
+                [job] = unique_name_guard(
+                    lambda: job_create_bulk(
+                        owner=request.user, specs=[spec], first_fires=[first], now=now, bulk=False
+                    )
+                )
+            except ManagedNameTaken:
+                answer = managed_name_conflict(owner=request.user, name=spec["name"])
+                return Answer(answer.status_code, answer.data)
             return Answer(status.HTTP_201_CREATED, JobOutput(job).data)
 
         # A creation only inserts new rows: its key is recorded after it (one statement).
@@ -203,9 +232,19 @@ class JobDetailApi(APIView):
         if not job_is_editable(job=job):
             return conflict(refusal("job.change", state=job.state), state=job.state)
         spec = job_patched_spec(spec=job.spec, patch=request.data)
-        if not job_update(
-            job=job, spec=spec, expected_version=job.version, actor=request.user, now=db_now()
-        ):
+        try:
+            updated = unique_name_guard(
+                lambda: job_update(
+                    job=job,
+                    spec=spec,
+                    expected_version=job.version,
+                    actor=request.user,
+                    now=db_now(),
+                )
+            )
+        except ManagedNameTaken:
+            return managed_name_conflict(owner=job.owner, name=spec["name"])
+        if not updated:
             job = visible_job(request, job_id)
             if not job_is_editable(job=job):
                 return conflict(refusal("job.change", state=job.state), state=job.state)
