@@ -112,6 +112,16 @@ def _wall_time_instants(
     return [Occurrence(transition, transition.astimezone(tz), "gap_shifted")]
 
 
+def wall_time_instant(wall: dt.datetime, tz: zoneinfo.ZoneInfo) -> dt.datetime:
+    """The instant (UTC) of a naive wall time: the first of a repeated one, the end of the
+    gap for one that does not exist."""
+    first_utc = wall.replace(tzinfo=tz, fold=0).astimezone(UTC)
+    second_utc = wall.replace(tzinfo=tz, fold=1).astimezone(UTC)
+    if first_utc <= second_utc:
+        return first_utc
+    return _transition_after(second_utc, tz)
+
+
 def _transition_after(instant: dt.datetime, tz: zoneinfo.ZoneInfo) -> dt.datetime:
     """The first instant after `instant` whose UTC offset differs (bisection, minute grain)."""
     low, high = instant, instant + _MAX_SHIFT
