@@ -229,7 +229,9 @@ def job_occurrences(
             "decision": RUN_DECISIONS.get(run.state, "ran"),
             "run": run.id,
             "state": run.state,
-            "reasons": [run.skip_reason] if run.skip_reason else [],
+            "reasons": [
+                note for note in (run.skip_reason, _dst_note(job, run.scheduled_for)) if note
+            ],
         }
         for run in runs.order_by("scheduled_for").only(
             "id", "scheduled_for", "state", "skip_reason"
@@ -266,6 +268,17 @@ def job_occurrences(
             entries.append(entry)
     page, more = entries[:limit], len(entries) > limit
     return page, (page[-1]["scheduled_for"] if more and page else None)
+
+
+def _dst_note(job, at: dt.datetime) -> str:
+    """The `dst:` note of a past occurrence of a cron job (re-read from its schedule)."""
+    if job.spec["schedule"]["kind"] != "cron":
+        return ""
+    dst = job.spec.get("dst") or DEFAULT_DST
+    after = at - dt.timedelta(microseconds=1)
+    for occurrence in occurrences(job.spec["schedule"], after=after, dst=dst):
+        return dst_reason(occurrence, dst) if occurrence.at == at else ""
+    return ""
 
 
 def _predicted_overlap(*, job, at: dt.datetime) -> str:
