@@ -5,6 +5,7 @@ occurrences (GET /jobs/{id}/occurrences/) against the runs made later."""
 from __future__ import annotations
 
 import datetime as dt
+import json
 
 import pytest
 
@@ -186,3 +187,26 @@ def test_a_calendar_edit_keeps_created_runs_and_moves_what_follows(api, user):
     scheduler_pass(dt.datetime(2026, 6, 3, 7, 0, 1, tzinfo=UTC))
     states = [state for _, state in scheduled_runs(Job.objects.get(id=job["id"]))]
     assert states == ["queued", "skipped"]
+
+
+def test_the_admin_edits_a_calendar_and_shows_its_jobs_and_a_jobs_timeline(api, client, user):
+    from tests.factories import superuser
+
+    calendar = create_calendar(api, dates=["2026-12-25"])
+    job = cron_job(api, "0 9 * * *", "Europe/Berlin", calendars={"exclude": [calendar["id"]]})
+    client.force_login(superuser("op"))
+    page = client.get(f"/admin/jobs/calendar/{calendar['id']}/change/")
+    assert page.status_code == 200 and job["id"] in page.content.decode()
+    url = f"/admin/jobs/calendar/{calendar['id']}/change/"
+    bad = json.dumps({**BERLIN, "timezone": "Nowhere/X"})
+    response = client.post(url, {"name": "Bavaria", "body": bad})
+    assert response.status_code == 200 and "timezone" in response.content.decode()
+    assert Calendar.objects.get(id=calendar["id"]).version == 1
+    response = client.post(
+        url, {"name": "Bavaria 2", "body": json.dumps({"dates": ["2026-12-24"]})}
+    )
+    assert response.status_code == 302
+    stored = Calendar.objects.get(id=calendar["id"])
+    assert (stored.version, stored.spec["dates"]) == (2, ["2026-12-24"])
+    job_page = client.get(f"/admin/jobs/job/{job['id']}/change/").content.decode()
+    assert 'id="job-occurrences"' in job_page and "will_run" in job_page

@@ -195,13 +195,8 @@ def test_scheduler_preview_and_occurrences_agree_with_an_independent_reading(
     }
 
     # The occurrences endpoint, page by page, before anything ran.
-    predicted, url = (
-        {},
-        (
-            f"/api/v1/jobs/{job.id}/occurrences/?limit=200"
-            f"&from={start.isoformat().replace('+', '%2B')}&to={end.isoformat().replace('+', '%2B')}"
-        ),
-    )
+    window = f"from={start.isoformat()}&to={end.isoformat()}".replace("+", "%2B")
+    predicted, url = {}, f"/api/v1/jobs/{job.id}/occurrences/?limit=200&{window}"
     while url:
         body = api.get(url).json()
         for entry in body["results"]:
