@@ -29,9 +29,12 @@ class OccurrenceOutput(serializers.Serializer):
         help_text="The same local time fires twice (fold: both, or auto with a wildcard hour)."
     )
     excluded = serializers.BooleanField(
-        help_text="The job's calendars would skip it (with `calendars` only); see `reason`."
+        required=False,
+        help_text="Only with `calendars`: the calendars would skip it; see `reason`.",
     )
-    reason = serializers.CharField(help_text="The `calendar:` skip reason when excluded.")
+    reason = serializers.CharField(
+        required=False, help_text="Only with `calendars`: the `calendar:` skip reason, or ''."
+    )
 
 
 class PreviewOutput(serializers.Serializer):
@@ -64,7 +67,7 @@ class SchedulePreviewApi(APIView):
         preview.is_valid(raise_exception=True)
         data = preview.validated_data
         after = dt.datetime.fromisoformat(data["after"]) if data.get("after") else db_now()
-        calendars = JobCalendars()
+        calendars = None
         if data.get("calendars"):
             calendars = preview_calendars(user=request.user, named=data["calendars"])
         try:
@@ -73,7 +76,7 @@ class SchedulePreviewApi(APIView):
             )
         except schedules.ScheduleError as exc:
             raise serializers.ValidationError({"schedule": [str(exc)]}) from exc
-        for fire in found:
+        for fire in found if calendars is not None else ():
             fire["reason"] = occurrence_decide(at=fire["at"], calendars=calendars).skip_reason
             fire["excluded"] = bool(fire["reason"])
         return Response(PreviewOutput({"occurrences": found}).data)

@@ -11,9 +11,11 @@ import pytest
 
 from jobs.calendar_services import calendar_update
 from jobs.models import AuditEvent, Calendar, CalendarVersion, Job, JobCalendar, Run
+from jobs.occurrences import job_occurrences
 from tests.factories import scheduled_runs, scheduler_pass
 
 UTC = dt.UTC
+MINUTE = dt.timedelta(minutes=1)
 BERLIN = {"name": "Bavaria", "timezone": "Europe/Berlin",
           "holidays": {"country": "DE", "subdivision": "BY"}}  # fmt: skip
 
@@ -184,9 +186,17 @@ def test_a_calendar_edit_keeps_created_runs_and_moves_what_follows(api, user):
     assert calendar_update(calendar=stored, name=stored.name, spec=spec,
                            expected_version=1, actor=user,
                            now=dt.datetime(2026, 6, 2, 8, tzinfo=UTC))  # fmt: skip
+    # After the edit, the next due time and the prediction at it agree with the decision.
+    moved = Job.objects.get(id=job["id"])
+    assert moved.next_run_at == dt.datetime(2026, 6, 3, 7, tzinfo=UTC)
+    at, now = moved.next_run_at, dt.datetime(2026, 6, 2, 8, tzinfo=UTC)
+    page, _ = job_occurrences(job=moved, start=at, end=at + MINUTE, cursor=None, limit=5, now=now)
+    assert [entry["decision"] for entry in page] == ["will_skip"]
     scheduler_pass(dt.datetime(2026, 6, 3, 7, 0, 1, tzinfo=UTC))
     states = [state for _, state in scheduled_runs(Job.objects.get(id=job["id"]))]
-    assert states == ["queued", "skipped"]
+    assert states == ["queued", "skipped"]  # the run made before the edit kept its decision
+    skipped = Run.objects.get(job_id=job["id"], state="skipped")
+    assert skipped.skip_reason == page[0]["reasons"][0]
 
 
 def test_the_admin_edits_a_calendar_and_shows_its_jobs_and_a_jobs_timeline(api, client, user):
