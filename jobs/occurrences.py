@@ -28,7 +28,7 @@ from .calendar_services import calendar_views, job_calendar_ids
 from .calendars import CalendarView, calendars_skip_reason
 from .models import JobState, Run, RunKind
 from .policies import misfire_plan, overlap_decision
-from .schedules import DEFAULT_DST, Occurrence, occurrences, zone
+from .schedules import DEFAULT_DST, Occurrence, ScheduleError, occurrences, zone
 from .transitions import ACTIVE_RUN_STATES
 
 UTC = dt.UTC
@@ -276,8 +276,11 @@ def _dst_note(job, at: dt.datetime) -> str:
         return ""
     dst = job.spec.get("dst") or DEFAULT_DST
     after = at - dt.timedelta(microseconds=1)
-    for occurrence in occurrences(job.spec["schedule"], after=after, dst=dst):
-        return dst_reason(occurrence, dst) if occurrence.at == at else ""
+    try:
+        for occurrence in occurrences(job.spec["schedule"], after=after, dst=dst):
+            return dst_reason(occurrence, dst) if occurrence.at == at else ""
+    except ScheduleError:  # a schedule that cannot be evaluated any more: no note
+        pass
     return ""
 
 

@@ -220,3 +220,26 @@ def test_the_admin_edits_a_calendar_and_shows_its_jobs_and_a_jobs_timeline(api, 
     assert (stored.version, stored.spec["dates"]) == (2, ["2026-12-24"])
     job_page = client.get(f"/admin/jobs/job/{job['id']}/change/").content.decode()
     assert 'id="job-occurrences"' in job_page and "will_run" in job_page
+
+
+def test_the_occurrences_window_and_cursor_are_validated(api):
+    job = cron_job(api, "0 9 * * *", "Europe/Berlin")
+    url = f"/api/v1/jobs/{job['id']}/occurrences/"
+    backwards = api.get(f"{url}?from=2026-12-02T00:00:00Z&to=2026-12-01T00:00:00Z")
+    assert backwards.status_code == 400 and "to" in backwards.json()
+    too_long = api.get(f"{url}?from=2026-01-01T00:00:00Z&to=2027-06-01T00:00:00Z")
+    assert too_long.status_code == 400 and "to" in too_long.json()
+    assert "cursor" in api.get(f"{url}?cursor=nonsense").json()
+
+
+def test_a_patch_naming_another_owners_calendar_changes_nothing(api, other_user):
+    from tests.factories import api_client
+
+    theirs = create_calendar(api_client(other_user))
+    job = cron_job(api, "0 9 * * *", "Europe/Berlin")
+    response = api.patch(f"/api/v1/jobs/{job['id']}/",
+                         {"calendars": {"only": [theirs["id"]]}}, format="json")  # fmt: skip
+    assert response.status_code == 400 and "calendars" in response.json()
+    stored = Job.objects.get(id=job["id"])
+    assert stored.version == 1 and "calendars" not in stored.spec
+    assert not JobCalendar.objects.exists()
