@@ -129,22 +129,32 @@ def job_calendar_ids(spec: dict) -> dict[str, list[str]]:
 def job_calendars_check(*, jobs: list[Job]) -> None:
     """CalendarRefused when a job names a calendar that is not its owner's live calendar
     (the same words whether it exists or not). Call before writing anything."""
-    wanted = {
-        (uuid.UUID(calendar_id), job.owner_id)
-        for job in jobs
-        for ids in job_calendar_ids(job.spec).values()
-        for calendar_id in ids
-    }
-    if not wanted:
-        return
-    found = set(
-        Calendar.objects.filter(
-            id__in={calendar_id for calendar_id, _ in wanted}, deleted_at=None
-        ).values_list("id", "owner_id")
-    )
-    missing = sorted(str(calendar_id) for calendar_id, _ in wanted - found)
-    if missing:
-        raise CalendarRefused(f"calendar {missing[0]} is not one of yours")
+    for refusal in job_calendar_refusals(owned=[(job.owner_id, job.spec) for job in jobs]):
+        if refusal:
+            raise CalendarRefused(refusal)
+
+
+def job_calendar_refusals(*, owned: list[tuple[int, dict | None]]) -> list[str]:
+    """For each (owner id, job spec): why its calendars are refused, or "" (one query for
+    all of them)."""
+    named = [
+        {calendar_id for ids in job_calendar_ids(spec or {}).values() for calendar_id in ids}
+        for _, spec in owned
+    ]
+    every = {uuid.UUID(calendar_id) for ids in named for calendar_id in ids}
+    found = set()
+    if every:
+        found = {
+            (str(calendar_id), owner_id)
+            for calendar_id, owner_id in Calendar.objects.filter(
+                id__in=every, deleted_at=None
+            ).values_list("id", "owner_id")
+        }
+    refusals = []
+    for (owner_id, _), ids in zip(owned, named, strict=True):
+        missing = sorted(i for i in ids if (i, owner_id) not in found)
+        refusals.append(f"calendar {missing[0]} is not one of yours" if missing else "")
+    return refusals
 
 
 def job_calendars_link(*, jobs: list[Job], replace: bool = False) -> None:

@@ -243,3 +243,19 @@ def test_a_patch_naming_another_owners_calendar_changes_nothing(api, other_user)
     stored = Job.objects.get(id=job["id"])
     assert stored.version == 1 and "calendars" not in stored.spec
     assert not JobCalendar.objects.exists()
+
+
+def test_a_bulk_item_naming_another_owners_calendar_is_refused_by_itself(api, other_user):
+    from tests.factories import api_client
+
+    theirs = create_calendar(api_client(other_user))
+    mine = create_calendar(api)
+    schedule = {"kind": "cron", "expression": "0 9 * * *", "timezone": "Europe/Berlin"}
+    body = {"name": "j", "task": "tests.record", "schedule": schedule}
+    response = api.post("/api/v1/jobs/bulk/", [
+        {**body, "calendars": {"exclude": [mine["id"]]}},
+        {**body, "calendars": {"exclude": [theirs["id"]]}},
+    ], format="json")  # fmt: skip
+    assert response.status_code == 400, response.json()
+    assert "calendars" in json.dumps(response.json())
+    assert not Job.objects.exists() and not JobCalendar.objects.exists()
