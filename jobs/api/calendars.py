@@ -6,7 +6,8 @@ from __future__ import annotations
 import datetime as dt
 
 from django.http import Http404
-from drf_spectacular.utils import OpenApiExample, extend_schema
+from drf_spectacular.types import OpenApiTypes
+from drf_spectacular.utils import OpenApiExample, OpenApiParameter, extend_schema
 from rest_framework import parsers, serializers, status
 from rest_framework.response import Response
 from rest_framework.views import APIView
@@ -196,7 +197,17 @@ class OccurrencesOutput(serializers.Serializer):
 
 
 class JobOccurrencesApi(APIView):
-    @extend_schema(parameters=[OccurrencesQuery], responses=OccurrencesOutput)
+    @extend_schema(
+        parameters=[
+            OpenApiParameter("from", OpenApiTypes.DATETIME, description="Inclusive; default "
+                             "a day ago. The window is at most 400 days."),
+            OpenApiParameter("to", OpenApiTypes.DATETIME, description="Exclusive; default "
+                             "a week ahead."),
+            OpenApiParameter("cursor", OpenApiTypes.STR, description="From `next`."),
+            OpenApiParameter("limit", OpenApiTypes.INT, description="1-500, default 100."),
+        ],
+        responses=OccurrencesOutput,
+    )  # fmt: skip
     def get(self, request, job_id):
         job = visible_job(request, job_id)
         params = {key: value for key, value in request.query_params.items()}
