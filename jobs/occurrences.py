@@ -28,7 +28,7 @@ from .calendar_services import calendar_views, job_calendar_ids
 from .calendars import CalendarView, calendars_skip_reason
 from .models import JobState, Run, RunKind
 from .policies import misfire_plan, overlap_decision
-from .schedules import DEFAULT_DST, Occurrence, ScheduleError, occurrences, zone
+from .schedules import DEFAULT_DST, Occurrence, ScheduleError, gap_skipped, occurrences, zone
 from .transitions import ACTIVE_RUN_STATES
 
 UTC = dt.UTC
@@ -267,7 +267,34 @@ def job_occurrences(
                     entry["decision"], entry["reasons"] = "will_skip", [missed[occurrence.at]]
             entries.append(entry)
     page, more = entries[:limit], len(entries) > limit
-    return page, (page[-1]["scheduled_for"] if more and page else None)
+    last = page[-1]["scheduled_for"] if more and page else None
+    page = _with_gap_skips(page, job=job, lower=cursor or start,
+                           upper=last or end - dt.timedelta(microseconds=1),
+                           after_cursor=cursor is not None, now=now)  # fmt: skip
+    return page, last
+
+
+def _with_gap_skips(
+    page: list[dict], *, job, lower: dt.datetime, upper: dt.datetime, after_cursor: bool,
+    now: dt.datetime,
+) -> list[dict]:  # fmt: skip
+    """The page with an entry for each wall time a spring-forward removed under `gap:
+    skip` in its span (at the transition instant, before an occurrence at the same one):
+    the scheduler makes no run of it, and the explanation says why."""
+    skips = gap_skipped(job.spec["schedule"], dst=job.spec.get("dst"),
+                        after=lower - dt.timedelta(microseconds=1), until=upper)  # fmt: skip
+    extra = [
+        {"scheduled_for": at, "local": wall.isoformat(),
+         "decision": "skipped" if at <= now else "will_skip", "run": None, "state": None,
+         "reasons": [f"dst: {wall:%Y-%m-%d %H:%M} does not exist in "
+                     f"{job.spec['schedule'].get('timezone', 'UTC')} (gap: skip)"]}
+        for at, wall in skips
+        # A page ends at its last entry (inclusive) and the next begins after it.
+        if (lower < at if after_cursor else lower <= at) and at <= upper
+    ]  # fmt: skip
+    if not extra:
+        return page
+    return sorted(extra + page, key=lambda entry: entry["scheduled_for"])  # stable: skips first
 
 
 def _dst_note(job, at: dt.datetime) -> str:

@@ -99,3 +99,19 @@ def test_pages_follow_one_another_without_gaps(make_job):
         cursor = last
     assert seen == [T0 + dt.timedelta(minutes=10 * k) for k in range(1, 12)]
     assert len({entry for entry in seen}) == len(seen)
+
+
+def test_a_wall_time_skipped_by_a_dst_gap_is_explained_though_it_has_no_run(make_job):
+    created = dt.datetime(2026, 3, 28, 12, tzinfo=UTC)
+    job = make_job(now=created, dst={"gap": "skip", "fold": "auto"},
+                   **cron("30 2 * * *", "Europe/Berlin"))  # fmt: skip
+    transition = dt.datetime(2026, 3, 29, 1, 0, tzinfo=UTC)
+    expected = "dst: 2026-03-29 02:30 does not exist in Europe/Berlin (gap: skip)"
+    predicted = explain(job, now=created)
+    assert predicted[transition]["decision"] == "will_skip"
+    assert predicted[transition]["reasons"] == [expected]
+    scheduler_pass(dt.datetime(2026, 3, 30, 1, 0, 1, tzinfo=UTC))
+    assert not Run.objects.filter(job=job, scheduled_for=transition).exists()
+    after = explain(job, now=dt.datetime(2026, 3, 30, 1, 0, 1, tzinfo=UTC))[transition]
+    assert after["decision"] == "skipped" and after["reasons"] == [expected]
+    assert after["run"] is None
