@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
+import functools
 import uuid
 
 from django.db import transaction
@@ -171,7 +172,10 @@ def _materialize_due_jobs(
                 calendars=calendars,
                 paused=_missed_while_paused(job, at, skips),
                 misfire=skips.get(at, ""),
-                overlap=lambda: _apply_overlap(job, run, active.setdefault(job.id, []), now),  # noqa: B023
+                # Called at once, and only when nothing else skips it (it acts on runs).
+                overlap=functools.partial(
+                    _apply_overlap, job, run, active.setdefault(job.id, []), now
+                ),
             ).skip_reason
             if reason:
                 _skip(run, reason, now)

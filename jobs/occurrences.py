@@ -48,8 +48,11 @@ class JobCalendars:
     @classmethod
     def of(cls, spec: dict, views: dict[str, CalendarView]) -> JobCalendars:
         named = spec.get("calendars") or {}
-        pick = lambda role: tuple(views[i] for i in named.get(role) or () if i in views)  # noqa: E731
-        return cls(exclude=pick("exclude"), only=pick("only"))
+        exclude, only = (
+            tuple(views[i] for i in named.get(role) or () if i in views)
+            for role in ("exclude", "only")
+        )
+        return cls(exclude=exclude, only=only)
 
 
 @dataclasses.dataclass(frozen=True)
