@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
+import functools
 import uuid
 
 from django.db import transaction
@@ -26,9 +27,11 @@ from django.db.models.functions import RowNumber
 
 from jobs import keys
 from jobs.audit import audit_event
+from jobs.calendar_services import calendar_views, job_calendar_ids
 from jobs.lanes import lane_queue
 from jobs.models import AuditEvent, Run, RunKind, RunState
 from jobs.notify import CHANNEL_OUTBOX, notify
+from jobs.occurrences import JobCalendars, job_paused_reason, occurrence_decide
 from jobs.partitions import PartitionScope
 from jobs.policies import misfire_plan, overlap_decision, run_jitter
 from jobs.schedules import ScheduleError, job_next_fire
@@ -82,7 +85,7 @@ class MaterializerConfig:
 @dataclasses.dataclass(frozen=True)
 class MaterializerResult:
     runs_created: int = 0  # runs that will execute (queued, or pending on jitter or overlap)
-    runs_skipped: int = 0  # occurrences recorded `skipped` (misfire, overlap)
+    runs_skipped: int = 0  # occurrences recorded `skipped` (calendar, misfire, overlap)
     jobs_paused: int = 0  # by pause_after_failures
     batch_full: bool = False  # as many due jobs as the batch holds: more are probably due
 
@@ -151,16 +154,29 @@ def _materialize_due_jobs(
         ]
     )
     runs = []
+    views = calendar_views(
+        ids=[i for job in jobs for ids in job_calendar_ids(job.spec).values() for i in ids]
+    )
     for job in jobs:
         due, job.next_run_at = plans[job.id]
         skips = misfire_plan(
             spec=job.spec, created_at=job.created_at, due=due, next_at=job.next_run_at, now=now
         )
+        calendars = JobCalendars.of(job.spec, views)
         for at in due:
             if (job.id, at) in existing:
                 continue
             run = _new_run(job, at, now)
-            reason = skips.get(at) or _apply_overlap(job, run, active.setdefault(job.id, []), now)
+            reason = occurrence_decide(
+                at=at,
+                calendars=calendars,
+                paused=_missed_while_paused(job, at, skips),
+                misfire=skips.get(at, ""),
+                # Called at once, and only when nothing else skips it (it acts on runs).
+                overlap=functools.partial(
+                    _apply_overlap, job, run, active.setdefault(job.id, []), now
+                ),
+            ).skip_reason
             if reason:
                 _skip(run, reason, now)
             else:
@@ -175,6 +191,14 @@ def _materialize_due_jobs(
         jobs_paused=len(paused),
         batch_full=len(claimed) >= limit,
     )
+
+
+def _missed_while_paused(job: DueJob, at: dt.datetime, skips: dict) -> str:
+    """The `paused:` reason of a due occurrence the misfire policy skips because the job
+    was paused when it fell due (resumed since), else ""."""
+    if at in skips and job.resumed_at is not None and at < job.resumed_at:
+        return job_paused_reason(spec=job.spec)[0]
+    return ""
 
 
 def _existing_occurrences(plans: dict, jobs: list[DueJob]) -> set[tuple]:

@@ -672,3 +672,65 @@ class ProcessClock(models.Model):
 
     def __str__(self) -> str:
         return f"{self.kind} {self.host}:{self.pid} {self.skew_seconds:+.3f}s"
+
+
+class Calendar(models.Model):
+    """When jobs that name it must not run (`exclude`), or the only days they may (`only`):
+    dates, local ranges, RRULEs and public holidays, read in its own zone (jobs.calendars).
+    Versioned as jobs are: `spec` is the current one, CalendarVersion keeps each."""
+
+    id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
+    owner = models.ForeignKey(
+        settings.AUTH_USER_MODEL, on_delete=models.PROTECT, related_name="calendars"
+    )
+    name = models.CharField(max_length=200)
+    version = models.PositiveIntegerField(default=1)
+    spec = models.JSONField()
+    created_at = models.DateTimeField(default=timezone.now)
+    updated_at = models.DateTimeField(auto_now=True)
+    deleted_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        indexes = [models.Index(fields=["owner", "created_at"], name="calendar_owner_idx")]
+
+    def __str__(self) -> str:
+        return f"{self.name} ({self.id})"
+
+
+class CalendarVersion(models.Model):
+    """Immutable snapshot of a calendar's spec at each change."""
+
+    calendar = models.ForeignKey(Calendar, on_delete=models.CASCADE, related_name="versions")
+    version = models.PositiveIntegerField()
+    spec = models.JSONField()
+    created_at = models.DateTimeField(auto_now_add=True)
+    created_by = models.ForeignKey(
+        settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
+    )
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(fields=["calendar", "version"], name="calendar_version_unique"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.calendar_id} v{self.version}"
+
+
+class JobCalendar(models.Model):
+    """A job's current version names a calendar (`exclude` or `only`): the index through
+    which a calendar's edit finds exactly the jobs it moves. Rewritten with the job's spec."""
+
+    job = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="+", db_index=False)
+    calendar = models.ForeignKey(Calendar, on_delete=models.CASCADE, related_name="job_links",
+                                 db_index=False)  # fmt: skip
+    role = models.CharField(max_length=8)  # "exclude" | "only"
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(fields=["job", "calendar", "role"], name="job_calendar_unique"),
+        ]
+        indexes = [models.Index(fields=["calendar", "job"], name="job_calendar_by_calendar_idx")]
+
+    def __str__(self) -> str:
+        return f"{self.job_id} {self.role} {self.calendar_id}"

@@ -112,6 +112,16 @@ def _wall_time_instants(
     return [Occurrence(transition, transition.astimezone(tz), "gap_shifted")]
 
 
+def wall_time_instant(wall: dt.datetime, tz: zoneinfo.ZoneInfo) -> dt.datetime:
+    """The instant (UTC) of a naive wall time: the first of a repeated one, the end of the
+    gap for one that does not exist."""
+    first_utc = wall.replace(tzinfo=tz, fold=0).astimezone(UTC)
+    second_utc = wall.replace(tzinfo=tz, fold=1).astimezone(UTC)
+    if first_utc <= second_utc:
+        return first_utc
+    return _transition_after(second_utc, tz)
+
+
 def _transition_after(instant: dt.datetime, tz: zoneinfo.ZoneInfo) -> dt.datetime:
     """The first instant after `instant` whose UTC offset differs (bisection, minute grain)."""
     low, high = instant, instant + _MAX_SHIFT
@@ -222,6 +232,33 @@ def _occurrences(
         )
         return
     raise ScheduleError(f"unknown schedule kind '{kind}'")
+
+
+def gap_skipped(
+    schedule: dict, *, dst: dict | None, after: dt.datetime, until: dt.datetime
+) -> list[tuple[dt.datetime, dt.datetime]]:
+    """Under `gap: skip`, the wall times of a cron schedule that a spring-forward in
+    (after, until] removed, as (the transition instant, the naive wall time): they have no
+    occurrence, so only an explanation names them. Scans the offsets hourly (bounded by
+    the span asked)."""
+    if schedule["kind"] != "cron" or (dst or DEFAULT_DST).get("gap", "shift") != "skip":
+        return []
+    tz = zone(schedule.get("timezone", "UTC"))
+    expression = normalize_cron(schedule["expression"])
+    found, instant, hour = [], after, dt.timedelta(hours=1)
+    while instant < until:
+        following = min(instant + hour, until)
+        before, later = instant.astimezone(tz).utcoffset(), following.astimezone(tz).utcoffset()
+        if later > before:  # a spring-forward in (instant, following]
+            transition = _transition_after(instant, tz)
+            gap_end = transition.astimezone(tz).replace(tzinfo=None)
+            walls = croniter(expression, gap_end - (later - before) - dt.timedelta(seconds=1))
+            wall = walls.get_next(dt.datetime)
+            while wall < gap_end:
+                found.append((transition, wall))
+                wall = walls.get_next(dt.datetime)
+        instant = following
+    return found
 
 
 def schedule_run_at(schedule: dict) -> dt.datetime:

@@ -16,6 +16,7 @@ from storage.rows import rows_insert
 
 from . import keys
 from .audit import audit_event, audit_record
+from .calendar_services import job_calendars_check, job_calendars_link
 from .clock import db_now
 from .counters import counter_increment
 from .models import (
@@ -145,6 +146,8 @@ def job_create_bulk(
             priority=spec["priority"], labels=spec["labels"], next_run_at=first, created_at=now)
         for spec, first in zip(specs, first_fires, strict=True)
     ]  # fmt: skip
+    naming = [job for job in jobs if job.spec.get("calendars")]
+    job_calendars_check(jobs=naming)
     with transaction.atomic(savepoint=False):
         rows_insert(groups=[
             jobs,
@@ -154,6 +157,7 @@ def job_create_bulk(
                          data={"version": job.version, **({"bulk": True} if bulk else {})})
              for job in jobs],
         ])  # fmt: skip
+        job_calendars_link(jobs=naming)
         firsts = [job.next_run_at for job in jobs if job.next_run_at is not None]
         if firsts:
             notify(CHANNEL_SCHEDULE, at=min(firsts))
@@ -260,12 +264,18 @@ def job_update(
         fields["next_run_at"] = job_resume_point(
             spec=spec, created_at=job.created_at, now=now, since=job.next_run_at
         )
+    relinked = []
+    if job.spec.get("calendars") != spec.get("calendars"):
+        relinked = [Job(id=job.id, owner_id=job.owner_id, spec=spec)]
+        job_calendars_check(jobs=relinked)
     with transaction.atomic():
         if not job_replace_spec(job_id=job.id, expected_version=expected_version, fields=fields):
             return False
         JobVersion.objects.create(
             job=job, version=expected_version + 1, spec=spec, created_by=actor
         )
+        if relinked:
+            job_calendars_link(jobs=relinked, replace=True)
         if fields.get("next_run_at") is not None:
             notify(CHANNEL_SCHEDULE, at=fields["next_run_at"])  # perhaps earlier now
         audit_record(action="job.updated", actor=actor, job_id=job.id,

@@ -42,6 +42,15 @@ def job_and_run(make_job, user):
     return job_trigger(job=job, actor=user, now=timezone.now())
 
 
+@pytest.fixture
+def calendar(user):
+    """A calendar of the user's, for the same reason."""
+    from jobs.calendar_services import calendar_create
+    from jobs.calendars import calendar_spec_check
+
+    return calendar_create(owner=user, name="c", spec=calendar_spec_check({}), now=timezone.now())
+
+
 @pytest.fixture(autouse=True)
 def keep_the_test_connection():
     """The WSGI handler closes the database connection after each request, which would close
@@ -60,11 +69,13 @@ def keep_the_test_connection():
     suppress_health_check=list(HealthCheck),
 )
 @pytest.mark.django_db
-def test_no_server_errors_and_responses_match_the_schema(case, token, job_and_run):
+def test_no_server_errors_and_responses_match_the_schema(case, token, job_and_run, calendar):
     if "job_id" in (case.path_parameters or {}):
         case.path_parameters["job_id"] = str(job_and_run.job_id)
     if "run_id" in (case.path_parameters or {}):
         case.path_parameters["run_id"] = str(job_and_run.id)
+    if "calendar_id" in (case.path_parameters or {}):
+        case.path_parameters["calendar_id"] = str(calendar.id)
     case.call_and_validate(
         headers={"Authorization": f"Token {token}"},
         checks=[not_a_server_error, response_schema_conformance, content_type_conformance],

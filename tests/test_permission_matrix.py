@@ -51,7 +51,11 @@ ROUTES = {
     "api/v1/jobs/<uuid:job_id>/trigger/": Row(("POST",), "tenant"),
     "api/v1/jobs/<uuid:job_id>/backfill/": Row(("POST",), "tenant"),
     "api/v1/jobs/<uuid:job_id>/cancel/": Row(("POST",), "tenant"),
+    "api/v1/jobs/<uuid:job_id>/occurrences/": Row(("GET",), "tenant"),
     "api/v1/schedules/preview/": Row(("POST",), "authenticated"),
+    "api/v1/calendars/": Row(("GET", "POST"), "authenticated"),
+    "api/v1/calendars/<uuid:calendar_id>/": Row(("GET", "PATCH", "DELETE"), "tenant"),
+    "api/v1/calendars/<uuid:calendar_id>/import/": Row(("POST",), "tenant"),
     "api/v1/runs/": Row(("GET",), "authenticated"),
     "api/v1/runs/<uuid:run_id>/": Row(("GET",), "tenant"),
     "api/v1/runs/<uuid:run_id>/cancel/": Row(("POST",), "tenant"),
@@ -140,6 +144,13 @@ def _run_of(owner):
     return run
 
 
+def _calendar_of(owner):
+    from jobs.calendars import calendar_spec_check
+    from jobs.models import Calendar
+
+    return Calendar.objects.create(owner=owner, name="c", spec=calendar_spec_check({}))
+
+
 @pytest.mark.django_db
 @pytest.mark.parametrize(("route", "method", "principal", "whose"), CASES)
 def test_permission_matrix(route, method, principal, whose):
@@ -147,9 +158,10 @@ def test_permission_matrix(route, method, principal, whose):
     me = owner or _user(principal)
     other = _user(OTHER_OWNER if principal != OTHER_OWNER else OWNER)
     run = _run_of(me if whose == OWN else other)
+    calendar = _calendar_of(me if whose == OWN else other)
     url = "/" + route.replace("<uuid:job_id>", str(run.job_id)).replace(
         "<uuid:run_id>", str(run.id)
-    ).replace("<path:rest>", "outboxmessage/")
+    ).replace("<path:rest>", "outboxmessage/").replace("<uuid:calendar_id>", str(calendar.id))
     client = APIClient()
     if principal != ANONYMOUS:
         client.credentials(HTTP_AUTHORIZATION=f"Token {factories.token_for(me)}")

@@ -19,6 +19,8 @@ from rest_framework import serializers
 
 from ..api.refusals import refusal
 from ..api.validation import job_patched_spec, job_spec_check
+from ..calendar_services import job_calendars_check
+from ..calendars import CalendarRefused
 from ..clock import db_now
 from ..models import Job
 from ..redaction import redact_value, unmask
@@ -97,17 +99,21 @@ class JobBodyForm(forms.ModelForm):
             if job._state.adding:
                 self.spec, _ = job_spec_check(data["body"], now=db_now())
                 job_quota_check(owner=self.owner, adding=1)  # as the API answers 429
+                job_calendars_check(jobs=[Job(owner_id=self.owner.pk, spec=self.spec)])
                 return data
             if not job_is_editable(job=job):
                 raise forms.ValidationError(refusal("job.change", state=job.state))
             if data.get("based_on") != job.version:
                 raise forms.ValidationError(_moved_on(job))
             self.spec = job_patched_spec(spec=job.spec, patch=unmask(data["body"], job.spec))
+            job_calendars_check(jobs=[Job(id=job.id, owner_id=job.owner_id, spec=self.spec)])
         except serializers.ValidationError as exc:
             for line in validation_messages(exc.detail):
                 self.add_error("body", line)
         except JobQuotaExceeded as exc:
             self.add_error("body", str(exc))
+        except CalendarRefused as exc:
+            self.add_error("body", f"calendars: {exc}")
         return data
 
 

@@ -12,12 +12,16 @@ from django.urls import reverse
 
 from .. import schedules
 from ..models import Attempt, Job, Run
+from ..occurrences import job_occurrences
 from ..redaction import redact, redact_value
 from ..selectors import job_history, run_history
 from ..services import job_is_editable
 
 NEXT_FIRES = 10
 RECENT_RUNS = 20
+# The occurrences timeline: the last day and the next week, at most this many entries.
+TIMELINE_PAST, TIMELINE_AHEAD = dt.timedelta(days=1), dt.timedelta(days=7)
+TIMELINE_ENTRIES = 60
 
 GAP_WORDS = {
     "shift": "a local time that spring-forward skips fires once, at the first instant after "
@@ -106,6 +110,12 @@ def job_page(*, job: Job, now: dt.datetime) -> dict:
             fires_problem = str(exc)
     for fire in fires:
         fire["dst_words"] = DST_FLAG_WORDS.get(fire["dst"], "")
+    timeline, timeline_problem = [], ""
+    try:
+        timeline, _ = job_occurrences(job=job, start=now - TIMELINE_PAST, end=now + TIMELINE_AHEAD,
+                                      cursor=None, limit=TIMELINE_ENTRIES, now=now)  # fmt: skip
+    except schedules.ScheduleError as exc:
+        timeline_problem = str(exc)
     history = job_history(job=job, redacted=True)
     for version in history["versions"]:
         for change in version["changes"]:
@@ -118,6 +128,9 @@ def job_page(*, job: Job, now: dt.datetime) -> dict:
         "policy_words": policy_words(job.spec),
         "next_fires": fires,
         "next_fires_problem": fires_problem,
+        "timeline": timeline,
+        "timeline_problem": timeline_problem,
+        "timeline_url": reverse("job-occurrences", args=[job.id]),
         "recent_runs": list(
             Run.objects.filter(job=job).order_by("-scheduled_for", "-id")[:RECENT_RUNS]
         ),

@@ -15,6 +15,7 @@ from rest_framework.pagination import CursorPagination
 from rest_framework.response import Response
 from rest_framework.views import exception_handler
 
+from ..calendars import CalendarRefused
 from ..clock import db_now
 from ..idempotency import IdempotencyConflict, idempotency_key_problem, idempotent_answer
 from ..models import MANAGED_LABEL, MANAGED_NAME_CONSTRAINT, Job
@@ -27,6 +28,8 @@ def api_exception_handler(exc, context):
     quota answers 429 (docs/security.md); the transaction of the request rolled back."""
     if isinstance(exc, JobQuotaExceeded):
         return Response({"detail": str(exc)}, status=status.HTTP_429_TOO_MANY_REQUESTS)
+    if isinstance(exc, CalendarRefused):  # the same words whether it exists or not
+        return Response({"calendars": [str(exc)]}, status=status.HTTP_400_BAD_REQUEST)
     return exception_handler(exc, context)
 
 

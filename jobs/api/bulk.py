@@ -11,6 +11,7 @@ from rest_framework import serializers, status
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
+from ..calendar_services import job_calendar_refusals
 from ..clock import db_now
 from ..idempotency import (
     MAX_KEY_LENGTH,
@@ -126,6 +127,10 @@ class JobBulkApi(APIView):
             )
         now = db_now()
         specs, firsts, keys, errors = _bulk_items(request.data, now=now)
+        refusals = job_calendar_refusals(owned=[(request.user.pk, spec) for spec in specs])
+        for index, refusal in enumerate(refusals):
+            if refusal:  # as POST /jobs/ answers it, per item
+                errors[index], specs[index] = {"calendars": [refusal]}, None
         digests = {
             key: request_hash({k: v for k, v in item.items() if k != "idempotency_key"})
             for key, item in zip(keys, request.data, strict=True)

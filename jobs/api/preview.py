@@ -10,7 +10,10 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from .. import schedules
+from ..calendar_services import calendar_list
+from ..calendars import CalendarView
 from ..clock import db_now
+from ..occurrences import JobCalendars, occurrence_decide
 from .validation import PreviewSerializer
 
 
@@ -24,6 +27,13 @@ class OccurrenceOutput(serializers.Serializer):
     )
     doubled = serializers.BooleanField(
         help_text="The same local time fires twice (fold: both, or auto with a wildcard hour)."
+    )
+    excluded = serializers.BooleanField(
+        required=False,
+        help_text="Only with `calendars`: the calendars would skip it; see `reason`.",
+    )
+    reason = serializers.CharField(
+        required=False, help_text="Only with `calendars`: the `calendar:` skip reason, or ''."
     )
 
 
@@ -57,10 +67,31 @@ class SchedulePreviewApi(APIView):
         preview.is_valid(raise_exception=True)
         data = preview.validated_data
         after = dt.datetime.fromisoformat(data["after"]) if data.get("after") else db_now()
+        calendars = None
+        if data.get("calendars"):
+            calendars = preview_calendars(user=request.user, named=data["calendars"])
         try:
             found = schedules.schedule_preview(
                 schedule=data["schedule"], dst=data["dst"], after=after, count=data["count"]
             )
         except schedules.ScheduleError as exc:
             raise serializers.ValidationError({"schedule": [str(exc)]}) from exc
+        for fire in found if calendars is not None else ():
+            fire["reason"] = occurrence_decide(at=fire["at"], calendars=calendars).skip_reason
+            fire["excluded"] = bool(fire["reason"])
         return Response(PreviewOutput({"occurrences": found}).data)
+
+
+def preview_calendars(*, user, named: dict) -> JobCalendars:
+    """The caller's calendars a draft names; 400 for one the caller cannot see."""
+    ids = [i for role in ("exclude", "only") for i in named.get(role, ())]
+    views = {
+        str(calendar.id): CalendarView(id=str(calendar.id), name=calendar.name, spec=calendar.spec)
+        for calendar in calendar_list(user=user).filter(owner=user, id__in=ids)
+    }
+    missing = [i for i in ids if i not in views]
+    if missing:
+        raise serializers.ValidationError(
+            {"calendars": [f"calendar {missing[0]} is not one of yours"]}
+        )
+    return JobCalendars.of({"calendars": named}, views)

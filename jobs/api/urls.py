@@ -1,6 +1,6 @@
 from django.urls import path
 
-from . import bulk, jobs, preview, runs
+from . import bulk, calendars, jobs, preview, runs
 
 urlpatterns = [
     path("jobs/", jobs.JobListApi.as_view(), name="job-list"),
@@ -12,6 +12,22 @@ urlpatterns = [
     path("jobs/<uuid:job_id>/resume/", jobs.JobResumeApi.as_view(), name="job-resume"),
     path("jobs/<uuid:job_id>/trigger/", jobs.JobTriggerApi.as_view(), name="job-trigger"),
     path("jobs/<uuid:job_id>/backfill/", jobs.JobBackfillApi.as_view(), name="job-backfill"),
+    path(
+        "jobs/<uuid:job_id>/occurrences/",
+        calendars.JobOccurrencesApi.as_view(),
+        name="job-occurrences",
+    ),
+    path("calendars/", calendars.CalendarListApi.as_view(), name="calendar-list"),
+    path(
+        "calendars/<uuid:calendar_id>/",
+        calendars.CalendarDetailApi.as_view(),
+        name="calendar-detail",
+    ),
+    path(
+        "calendars/<uuid:calendar_id>/import/",
+        calendars.CalendarImportApi.as_view(),
+        name="calendar-import",
+    ),
     path("schedules/preview/", preview.SchedulePreviewApi.as_view(), name="schedule-preview"),
     path("runs/", runs.RunListApi.as_view(), name="run-list"),
     path("jobs/<uuid:job_id>/cancel/", jobs.JobCancelApi.as_view(), name="job-cancel"),

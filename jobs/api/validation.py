@@ -174,6 +174,17 @@ class MisfireSerializer(StrictSerializer):
     )
 
 
+class CalendarRefsSerializer(StrictSerializer):
+    """The calendars a job names, by id: `exclude` (an occurrence any of them holds does not
+    run) and `only` (an occurrence none of them holds does not run)."""
+
+    exclude = serializers.ListField(child=serializers.UUIDField(), max_length=20, default=list)
+    only = serializers.ListField(child=serializers.UUIDField(), max_length=20, default=list)
+
+    def validate(self, attrs):
+        return {role: list(dict.fromkeys(str(value) for value in attrs[role])) for role in attrs}
+
+
 class DstSerializer(StrictSerializer):
     gap = serializers.ChoiceField(choices=list(schedules.GAP_POLICIES), default="shift")
     fold = serializers.ChoiceField(choices=list(schedules.FOLD_POLICIES), default="auto")
@@ -220,6 +231,7 @@ class JobSpecSerializer(StrictSerializer):
     )
     misfire = MisfireSerializer(default=dict)
     dst = DstSerializer(default=dict)
+    calendars = CalendarRefsSerializer(required=False)
     jitter_seconds = StrictIntegerField(min_value=0, max_value=86400, default=0)
     pause_after_failures = StrictIntegerField(
         min_value=1, max_value=1000, default=None, allow_null=True
@@ -409,6 +421,7 @@ def job_patched_spec(*, spec: dict, patch) -> dict:
 class PreviewSerializer(StrictSerializer):
     schedule = ScheduleSerializer()
     dst = DstSerializer(default=dict)
+    calendars = CalendarRefsSerializer(required=False)
     after = AwareDateTimeField(
         required=False, help_text="Fire instants strictly after this one; default now."
     )
