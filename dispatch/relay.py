@@ -1,17 +1,25 @@
 """The outbox relay: publishes pending outbox rows and deletes them only once confirmed.
 
 `relay_run_once` works queue by queue (each queue's lanes are queues of their own,
-jobs.lanes): it claims a batch of a queue's pending rows with FOR UPDATE SKIP LOCKED (so
-relays split the work), no more than the queue's high-water mark leaves room for
-(backpressure), shared among the rows' owners in turn, an owner at its limit passed over
-(dispatch.shares), publishes every message of the batch as a real Celery task message,
-waits for the broker's confirms of the whole batch (one round trip, not one per message),
-and in the same transaction deletes the rows: a confirmed row has nothing left to say, and the run
-row is not touched (the worker's claim records `published_at`, which travels in the
-message). A crash anywhere before the commit leaves the rows pending: they are published
-again, and the worker's claim refuses the duplicate. A message the broker returns, routed to
-no queue (an operator deleted its queue), is not published: its row stays, and the queue is
-declared again for the next try.
+jobs.lanes). For each queue, in a short transaction, it claims a batch of pending rows
+with FOR UPDATE SKIP LOCKED (so relays split the work), no more than the queue's
+high-water mark leaves room for (backpressure), shared among the rows' owners in turn, an
+owner at its limit passed over (dispatch.shares), and stamps them with the step's claim
+(`claimed_by`, `claimed_until`: a lease of `claim_lease` seconds on the database's clock)
+before it commits. Then, in no transaction, it publishes every message of the batch as a
+real Celery task message and waits for the broker's confirms of the whole batch (one round
+trip, not one per message). Then, in a second short transaction, it deletes the rows still
+claimed by the step: a confirmed row has nothing left to say, and the run row is not
+touched (the worker's claim records `published_at`, which travels in the message).
+
+Nothing another relay needs is held across the broker's round trip: the owners' advisory
+locks and the rows' locks last only the claim's transaction. A relay frozen or dead after
+its claim holds its rows back for at most the lease; then any relay claims and publishes
+them again, and the worker's claim refuses the duplicate (a run is claimed once). A
+failure before the rows are deleted leaves them pending: they are published again (at
+once after an outage or a refusal, which give the claim up; after the lease otherwise). A
+message the broker returns, routed to no queue (an operator deleted its queue), is not
+published: its row stays, and the queue is declared again for the next try.
 
 A refusal is judged by its kind and how long it lasts, never by a count of tries: one that
 can pass by itself (404, 405: dispatch.broker's LASTING_REFUSALS) and an outage never fail
@@ -31,6 +39,7 @@ import dataclasses
 import datetime as dt
 import logging
 import math
+import uuid
 
 from django.db import transaction
 
@@ -39,7 +48,12 @@ from jobs.models import FailureReason, OutboxMessage
 from jobs.outbox import outbox_record_failure
 from jobs.redaction import redact
 from jobs.transitions import active_runs_record, run_give_up, runs_stamp_published_late
-from storage.outbox import outbox_delete_published, outbox_pending_queues
+from storage.outbox import (
+    CLAIM_LEASE_SECONDS,
+    outbox_claim_keep,
+    outbox_delete_published,
+    outbox_pending_queues,
+)
 
 from .broker import (
     BrokerRefusal,
@@ -60,6 +74,10 @@ log = logging.getLogger("dispatch.relay")
 class RelayConfig:
     batch_size: int = 1000
     confirm_timeout: float = 15.0  # seconds to wait for a batch's confirms
+    # Seconds a step's claim on the rows it publishes lasts (the database's clock): longer
+    # than a publication and its confirm wait. A relay frozen or dead with rows claimed
+    # holds them back no longer than this; then any relay publishes them again.
+    claim_lease: float = CLAIM_LEASE_SECONDS
     # The sleep when the outbox is empty; the relay command also wakes on a NOTIFY from
     # every writer of outbox rows (jobs.outbox), so this is only the safety net.
     poll_interval: float = 1.0
@@ -84,8 +102,11 @@ class RelayConfig:
         config_require(
             self,
             at_least_one=("batch_size", "high_water", "owner_max_active_runs"),
-            positive=("confirm_timeout", "poll_interval", "held_poll_interval", "refusal_grace"),
-        )
+            positive=("confirm_timeout", "poll_interval", "held_poll_interval", "refusal_grace",
+                      "claim_lease"),
+        )  # fmt: skip
+        if self.claim_lease <= self.confirm_timeout:
+            raise ValueError("claim_lease must be longer than confirm_timeout")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -178,62 +199,75 @@ def _relay_queue(
     turns: OwnerTurns,
 ) -> tuple[int, int, bool]:
     """Claim up to `limit` of the queue's pending rows, shared among their owners in turn
-    (each owner's by priority, then oldest first; an owner at its limit passed over),
-    publish them and wait for the confirms, then delete them: (published, undeliverable,
-    whether an owner's rows waited for its limit)."""
+    (each owner's by priority, then oldest first; an owner at its limit passed over), in a
+    short transaction that stamps them with this step's claim; publish them and wait for
+    the confirms outside any transaction; then, in a second short transaction, delete those
+    still claimed by this step: (published, undeliverable, whether an owner's rows waited
+    for its limit). Nothing another relay needs (an owner's advisory lock, a row lock) is
+    held across the broker's round trip; rows whose claim ran out (this relay frozen or
+    dead) are any relay's to publish again, and the worker's claim refuses the duplicate."""
+    claim = uuid.uuid4()
     with transaction.atomic():
         found = turns.owners(queue)
         allowed, limited = allowances(found, default_limit=config.owner_max_active_runs)
         owners = list(found)
-        messages = claim_shares(queue, room=limit, owners=owners, allowed=allowed)
-        # An owner that got all it was allowed (at its limit now) may have more waiting.
-        claimed = collections.Counter(message.owner_id for message in messages)
-        owners_held = any(
-            allowed[owner] is not None and claimed[owner] >= allowed[owner] for owner in owners
+        messages = claim_shares(queue, room=limit, owners=owners, allowed=allowed, claim=claim,
+                                lease_seconds=config.claim_lease)  # fmt: skip
+    # An owner that got all it was allowed (at its limit now) may have more waiting.
+    claimed = collections.Counter(message.owner_id for message in messages)
+    owners_held = any(
+        allowed[owner] is not None and claimed[owner] >= allowed[owner] for owner in owners
+    )
+    if not messages:
+        return 0, 0, owners_held
+    ids = [message.id for message in messages]
+    failpoint("relay.publishing")
+    try:
+        unrouted = publisher.publish_batch_and_confirm(
+            messages, published_at=published_at, timeout=config.confirm_timeout
         )
-        if not messages:
-            return 0, 0, owners_held
-        ids = [message.id for message in messages]
-        try:
-            unrouted = publisher.publish_batch_and_confirm(
-                messages, published_at=published_at, timeout=config.confirm_timeout
-            )
-        except BrokerRefusal as exc:
-            # A refusal on the channel, not an outage: this queue's rows wait, a try
-            # counted, and the other queues go on (docs/security.md).
-            publisher.reset()
-            log.warning("the broker refused queue %r: %s", queue, exc)
-            lasting = refusal_lasts(exc)
-            outbox_record_failure(message_ids=ids, error=exc, refused_at=now if lasting else None)
-            failed = _runs_undeliverable(queue=queue, ids=ids, reason=exc, now=now,
+    except BrokerRefusal as exc:
+        # A refusal on the channel, not an outage: this queue's rows wait, a try
+        # counted, and the other queues go on (docs/security.md).
+        publisher.reset()
+        log.warning("the broker refused queue %r: %s", queue, exc)
+        lasting = refusal_lasts(exc)
+        with transaction.atomic():
+            mine = outbox_claim_keep(message_ids=ids, claim=claim)
+            outbox_record_failure(message_ids=mine, error=exc, refused_at=now if lasting else None)
+            failed = _runs_undeliverable(queue=queue, ids=mine, reason=exc, now=now,
                                          config=config) if lasting else 0  # fmt: skip
-            return 0, failed, owners_held
-        except BROKER_ERRORS as exc:
-            publisher.reset()
-            failure = exc
-        else:
-            failpoint("relay.after_confirm")
-            if unrouted:
-                log.warning("the broker routed %s messages of queue %r to no queue (deleted?):"
-                            " declared again for the next try", len(unrouted), queue)  # fmt: skip
-                unrouted_ids = {message.id for message in unrouted}
-                outbox_record_failure(
-                    message_ids=list(unrouted_ids),
-                    error=BrokerUnrouted(f"312 NO_ROUTE: no queue bound for {queue!r}"),
-                )
-                messages = [m for m in messages if m.id not in unrouted_ids]
-            outbox_delete_published(message_ids=[message.id for message in messages])
-            late = now - dt.timedelta(seconds=LATE_PUBLICATION_SECONDS)
-            runs_stamp_published_late(
-                run_ids=[m.run_id for m in messages if m.created_at and m.created_at < late],
-                now=now,
+        return 0, failed, owners_held
+    except BROKER_ERRORS as exc:
+        publisher.reset()
+        with transaction.atomic():
+            mine = outbox_claim_keep(message_ids=ids, claim=claim)
+            outbox_record_failure(message_ids=mine, error=exc)
+        raise
+    failpoint("relay.after_confirm")
+    with transaction.atomic():
+        if unrouted:
+            log.warning("the broker routed %s messages of queue %r to no queue (deleted?):"
+                        " declared again for the next try", len(unrouted), queue)  # fmt: skip
+            unrouted_ids = {message.id for message in unrouted}
+            outbox_record_failure(
+                message_ids=outbox_claim_keep(message_ids=list(unrouted_ids), claim=claim),
+                error=BrokerUnrouted(f"312 NO_ROUTE: no queue bound for {queue!r}"),
             )
-            active_runs_record(
-                runs=[(m.run_id, m.owner_id) for m in messages if m.owner_id in limited], now=now
-            )
-            return len(messages), 0, owners_held
-    outbox_record_failure(message_ids=ids, error=failure)
-    raise failure
+            messages = [m for m in messages if m.id not in unrouted_ids]
+        # Only the rows still ours: one whose claim ran out and that another relay took
+        # (published again, a duplicate the worker refuses) is that relay's to record.
+        deleted = set(outbox_delete_published(message_ids=[m.id for m in messages], claim=claim))
+        messages = [m for m in messages if m.id in deleted]
+        late = now - dt.timedelta(seconds=LATE_PUBLICATION_SECONDS)
+        runs_stamp_published_late(
+            run_ids=[m.run_id for m in messages if m.created_at and m.created_at < late],
+            now=now,
+        )
+        active_runs_record(
+            runs=[(m.run_id, m.owner_id) for m in messages if m.owner_id in limited], now=now
+        )
+    return len(messages), 0, owners_held
 
 
 def _runs_undeliverable(

@@ -9,13 +9,16 @@ next run in the broker. Within an owner, rows go by priority, then oldest first.
 An owner at its limit (SCHEDULER_OWNER_MAX_ACTIVE_RUNS, or an operator's OwnerLimit) has
 its rows passed over, holding back no one else. What counts against the limit: the
 owner's runs that a relay published while the owner was limited (ActiveRun) and that
-are still `queued` (in the broker, or in a worker's prefetch) or `running`. Rows still in
-the outbox, runs waiting for a retry and finished runs do not count: a run given a new
-outbox row (retry, replay, republication) loses its ActiveRun row in the statement that
-writes it (jobs.outbox.outbox_enqueue_runs). Relays claiming
-for the same limited owner at once are serialized by a transaction-scoped advisory lock
-per owner (the one that does not get it passes the owner over this step), so the limit
-holds with any number of relays.
+are still `queued` (in the broker, or in a worker's prefetch) or `running`, and its rows
+a relay's live claim holds (being published right now). Other rows still in the outbox,
+rows whose claim ran out (their relay frozen or dead), runs waiting for a retry and
+finished runs do not count: a run given a new outbox row (retry, replay, republication)
+loses its ActiveRun row in the statement that writes it (jobs.outbox.outbox_enqueue_runs).
+Relays claiming for the same limited owner at once are serialized by a
+transaction-scoped advisory lock per owner (the one that does not get it passes the owner
+over this step), held only for the claim's short transaction, never across the broker's
+round trip: the limit holds with any number of relays, and a frozen relay holds back no
+owner.
 
 Every step's cost is bounded: owners are found by skipping through the pending index (one
 probe per owner, at most MAX_OWNERS per queue), each owner's rows by one index range
@@ -27,13 +30,12 @@ from __future__ import annotations
 
 import collections
 import itertools
+import uuid
 from collections.abc import Iterable
-
-from django.db.models import Count
 
 from jobs.models import OWNER_LIMIT_STATES, ActiveRun, OwnerLimit
 from storage.outbox import PendingMessage, outbox_claim_pending
-from storage.shares import owner_limits_try_lock, owners_list_pending
+from storage.shares import owner_limits_try_lock, owners_count_active, owners_list_pending
 
 # Queues one relay step (or reconciliation pass) looks at, each a question to the broker.
 MAX_QUEUES = 1000
@@ -74,16 +76,16 @@ def _owners_with_pending_rows(queue: str, *, after) -> dict:
 
 
 def owners_active(owners: Iterable) -> dict:
-    """Owner -> its runs that count against its limit (published while it was limited, and
-    still queued or running); the ActiveRun rows of its runs that ended are deleted first."""
+    """Owner -> what counts against its limit: its runs published while it was limited and
+    still queued or running, and its rows other relays are publishing right now (a live
+    claim); the ActiveRun rows of its runs that ended are deleted first."""
     owners = list(owners)
     if not owners:
         return {}
     ActiveRun.objects.filter(owner_id__in=owners).exclude(
         run__state__in=OWNER_LIMIT_STATES
     ).delete()
-    counted = ActiveRun.objects.filter(owner_id__in=owners).values_list("owner_id")
-    return dict(counted.annotate(count=Count("run_id")).order_by())
+    return owners_count_active(owners=owners)
 
 
 def owner_at_limit(owner, *, default_limit: int | None) -> bool:
@@ -130,9 +132,12 @@ def shares(room: int, owners: list, allowed: dict) -> dict:
     return result
 
 
-def claim_shares(queue: str, *, room: int, owners: list, allowed: dict) -> list[PendingMessage]:
+def claim_shares(
+    queue: str, *, room: int, owners: list, allowed: dict, claim: uuid.UUID, lease_seconds: float
+) -> list[PendingMessage]:
     """Claim up to `room` of the queue's pending rows, shared among `owners` in turn,
-    locked FOR UPDATE SKIP LOCKED; interleaved by owner."""
+    stamped with `claim` for `lease_seconds` (storage.outbox.outbox_claim_pending);
+    interleaved by owner."""
     allowed = dict(allowed)
     taken: dict[object, list[PendingMessage]] = {owner: [] for owner in owners}
     ids: list[int] = []
@@ -140,7 +145,9 @@ def claim_shares(queue: str, *, room: int, owners: list, allowed: dict) -> list[
         quotas = shares(room, owners, allowed)
         if not quotas:
             break
-        rows = outbox_claim_pending(queue=queue, quotas=quotas, exclude=ids)
+        rows = outbox_claim_pending(
+            queue=queue, quotas=quotas, exclude=ids, claim=claim, lease_seconds=lease_seconds
+        )
         got = collections.Counter(row.owner_id for row in rows)
         for row in rows:
             taken[row.owner_id].append(row)

@@ -415,6 +415,12 @@ class OutboxMessage(models.Model):
     # of other arguments, no permission): empty after any other failure. The relay fails
     # the run `undeliverable` once this is older than its grace (dispatch.relay).
     refused_since = models.DateTimeField(null=True, blank=True)
+    # The relay's claim: which relay step is publishing the row, and until when (the
+    # database's clock). A claim is taken and given up in short transactions, never held
+    # across the broker's round trip; a claim whose lease ran out (its relay frozen or
+    # dead) is any relay's to take again (dispatch.relay).
+    claimed_by = models.UUIDField(null=True, blank=True)
+    claimed_until = models.DateTimeField(null=True, blank=True)
 
     class Meta:
         db_table = "dispatch_outboxmessage"  # moved from the dispatch app; the table stays
@@ -440,6 +446,13 @@ class OutboxMessage(models.Model):
                 fields=["created_at"],
                 name="outbox_failing_idx",
                 condition=Q(state="pending", publish_tries__gt=0),
+            ),
+            # The rows relays are publishing right now (a batch each at most): an owner's
+            # count against its limit reads them, never its held-back backlog.
+            models.Index(
+                fields=["owner"],
+                name="outbox_claimed_idx",
+                condition=Q(state="pending", claimed_by__isnull=False),
             ),
         ]
 

@@ -153,29 +153,49 @@ def run_replay(*, run_id) -> bool:
     )
 
 
+# Tries of runs_lock_to_cancel before it goes on with what it holds (each one finds a run
+# claimed between two of its statements, rare itself).
+LOCK_TO_CANCEL_TRIES = 3
+
+
+class _StartedMeanwhile(Exception):
+    """A run was claimed between the lock of the running attempts and that of the runs."""
+
+
 def runs_lock_to_cancel(*, run_ids: list) -> None:
     """Lock what cancelling these runs changes, in the caller's transaction, before it
     cancels them one by one (the materializer's cancel_previous over several jobs, a job's
-    cancel): first those not running, in id order, so no claim starts an attempt of them
-    meanwhile (a claim in flight is waited for); then every running attempt of them, in id
-    order, the order a packed success takes (storage.attempts.attempts_succeed). Taking an
-    attempt run by run instead deadlocked against packed successes."""
+    cancel), attempts before runs, the order every completion takes: first every running
+    attempt of them, in id order (the order a packed success takes,
+    storage.attempts.attempts_succeed); then those runs not running, in id order, so no
+    claim starts an attempt of them meanwhile (a claim in flight is waited for).
+
+    A claim that commits while the second statement waits locks its run all the same (PostgreSQL
+    locks the row's new version before it finds it no longer matches) without its attempt:
+    holding that run and then waiting for its attempt deadlocked against the worker ending
+    it (attempt held, run wanted). So the runs are locked in a savepoint, and should one
+    of them have a running attempt not held, the savepoint is rolled back (its run locks
+    go with it) and both steps are taken again, at most LOCK_TO_CANCEL_TRIES times."""
     ids = list(run_ids)
     if not ids:
         return
-    list(
-        Run.objects.select_for_update()
-        .filter(id__in=ids)
-        .exclude(state=RunState.RUNNING)
-        .order_by("id")
-        .values_list("id", flat=True)
-    )
-    list(
-        Attempt.objects.select_for_update()
-        .filter(run_id__in=ids, state=AttemptState.RUNNING)
-        .order_by("id")
-        .values_list("id", flat=True)
-    )
+    running = Attempt.objects.filter(run_id__in=ids, state=AttemptState.RUNNING)
+    for _ in range(LOCK_TO_CANCEL_TRIES):
+        held = set(running.select_for_update().order_by("id").values_list("id", flat=True))
+        try:
+            with transaction.atomic():  # a savepoint
+                list(
+                    Run.objects.select_for_update()
+                    .filter(id__in=ids)
+                    .exclude(state=RunState.RUNNING)
+                    .order_by("id")
+                    .values_list("id", flat=True)
+                )
+                if set(running.values_list("id", flat=True)) - held:
+                    raise _StartedMeanwhile
+            return
+        except _StartedMeanwhile:
+            continue
 
 
 def run_cancel(*, run_id, now: dt.datetime) -> bool:

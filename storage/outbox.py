@@ -1,6 +1,7 @@
 """The outbox: a task message per run to publish, written in the transaction of the state
-change that needs it and deleted by a relay in the transaction that saw the broker confirm
-it (dispatch.relay). A row is `pending` for as long as it exists.
+change that needs it, claimed by a relay for a lease (`claimed_by`, `claimed_until`) in a
+short transaction, and deleted by that relay in another once the broker confirmed it
+(dispatch.relay). A row is `pending` for as long as it exists.
 
 Every statement that writes outbox rows starts with `outbox_insert_select`, the one place
 that lists the outbox's columns and what a new row holds in each: `outbox_enqueue_many`
@@ -28,7 +29,7 @@ OWNER_ID_TYPE = "integer"
 # The columns every writer of outbox rows inserts, in the order outbox_insert_select fills.
 OUTBOX_COLUMNS = (
     "run_id, owner_id, message_id, task_name, queue, priority, timeout_seconds,"
-    " state, created_at, publish_tries, last_error, refused_since"
+    " state, created_at, publish_tries, last_error, refused_since, claimed_by, claimed_until"
 )
 
 
@@ -37,10 +38,12 @@ def outbox_insert_select(*, source: str, run_id: str, owner_id: str) -> str:
     (OUTBOX_COLUMNS) SELECT <a new pending row>`: `run_id` and `owner_id` are SQL
     expressions, the message's task_name, queue, priority and timeout_seconds are the
     columns of those names of the relation `source`; a new message id, created at the
-    statement's `%(now)s` parameter. The writer appends its FROM (and ORDER BY, RETURNING)."""
+    statement's `%(now)s` parameter, claimed by no relay. The writer appends its FROM
+    (and ORDER BY, RETURNING)."""
     return f"""INSERT INTO {OUTBOX_TABLE} ({OUTBOX_COLUMNS})
         SELECT {run_id}, {owner_id}, gen_random_uuid(), {source}.task_name, {source}.queue,
-               {source}.priority, {source}.timeout_seconds, '{PENDING}', %(now)s, 0, '', NULL"""
+               {source}.priority, {source}.timeout_seconds, '{PENDING}', %(now)s, 0, '', NULL,
+               NULL, NULL"""
 
 
 class OutboxEntry(NamedTuple):
@@ -103,8 +106,10 @@ def outbox_enqueue_many(*, entries: list[OutboxEntry], now: dt.datetime) -> int:
 
 
 def outbox_discard_pending(*, run_id: uuid.UUID) -> int:
-    """Delete the run's pending rows that no relay holds (FOR UPDATE SKIP LOCKED), so that
-    they are never sent; one a relay is publishing right now stays. Runs in the caller's
+    """Delete the run's pending rows, so that they are never sent, passing over one a relay
+    is claiming this instant (FOR UPDATE SKIP LOCKED: its claim's short transaction). A
+    row a relay is publishing (claimed, no lock) is deleted: its message may still go, and
+    the worker's claim refuses it (the run is no longer queued). Runs in the caller's
     transaction (the cancel's). Returns the rows deleted."""
     return execute(
         f"""
@@ -117,25 +122,49 @@ def outbox_discard_pending(*, run_id: uuid.UUID) -> int:
     )
 
 
-def outbox_delete_published(*, message_ids: list[int]) -> int:
-    """Delete the rows the broker confirmed. Runs in the transaction of the relay step that
-    claimed them (which holds their row locks). Returns the rows deleted."""
-    return execute(f"DELETE FROM {OUTBOX_TABLE} WHERE id = ANY(%s)", [message_ids])
+def outbox_delete_published(*, message_ids: list[int], claim: uuid.UUID | None = None) -> list[int]:
+    """Delete the rows the broker confirmed, only those still held by the relay's `claim`
+    (any claim if None): a row whose claim ran out and that another relay took is that
+    relay's to delete. Runs in a short transaction of its own after the publication (the
+    relay's), locking the rows it deletes. Returns the ids deleted."""
+    held = "" if claim is None else "AND claimed_by = %(claim)s"
+    rows = fetch_all(
+        f"DELETE FROM {OUTBOX_TABLE} WHERE id = ANY(%(ids)s) {held} RETURNING id",
+        {"ids": message_ids, "claim": claim},
+    )
+    return [row_id for (row_id,) in rows]
+
+
+def outbox_claim_keep(*, message_ids: list[int], claim: uuid.UUID) -> list[int]:
+    """The rows among `message_ids` still held by `claim`, locked FOR UPDATE until the
+    caller's transaction ends (the relay's, recording a failed publication): a row another
+    relay took since is left alone. Returns their ids."""
+    rows = fetch_all(
+        f"""
+        SELECT id FROM {OUTBOX_TABLE}
+         WHERE id = ANY(%(ids)s) AND claimed_by = %(claim)s
+         ORDER BY id FOR UPDATE
+        """,
+        {"ids": message_ids, "claim": claim},
+    )
+    return [row_id for (row_id,) in rows]
 
 
 def outbox_record_failed_try(
     *, message_ids: list[int], error: str, refused_at: dt.datetime | None = None
 ) -> int:
     """Count a failed publication of these pending rows and keep its error: they stay
-    pending for the next try. `refused_at`: the time of a refusal that lasts until an
-    operator acts, kept in `refused_since` unless the rows were refused so already; None
-    for any other failure (an outage, a refusal that can pass), which empties it. Runs in
-    the caller's transaction; locks the rows it updates. Returns the rows updated."""
+    pending for the next try, their claim given up (any relay may take them at once).
+    `refused_at`: the time of a refusal that lasts until an operator acts, kept in
+    `refused_since` unless the rows were refused so already; None for any other failure
+    (an outage, a refusal that can pass), which empties it. Runs in the caller's
+    transaction; locks the rows it updates. Returns the rows updated."""
     return execute(
         f"""
         UPDATE {OUTBOX_TABLE} SET publish_tries = publish_tries + 1, last_error = %(error)s,
                refused_since = CASE WHEN %(refused_at)s::timestamptz IS NOT NULL
-                                    THEN COALESCE(refused_since, %(refused_at)s) END
+                                    THEN COALESCE(refused_since, %(refused_at)s) END,
+               claimed_by = NULL, claimed_until = NULL
          WHERE id = ANY(%(ids)s) AND state = %(pending)s
         """,
         {"ids": message_ids, "error": error, "refused_at": refused_at, "pending": PENDING},
@@ -163,30 +192,58 @@ def outbox_pending_queues(*, limit: int) -> list[str]:
     return [queue for (queue,) in rows]
 
 
+# Seconds a relay's claim on the rows it publishes lasts by default (dispatch.relay's
+# RelayConfig.claim_lease): longer than a batch's publication and confirm wait.
+CLAIM_LEASE_SECONDS = 30.0
+
+
 def outbox_claim_pending(
-    *, queue: str, quotas: dict[int, int], exclude: list[int]
+    *,
+    queue: str,
+    quotas: dict[int, int],
+    exclude: list[int],
+    claim: uuid.UUID | None = None,
+    lease_seconds: float = CLAIM_LEASE_SECONDS,
 ) -> list[PendingMessage]:
     """Claim the queue's pending rows: up to its quota of each owner's (owner id -> quota),
     by priority then oldest first, passing over the ids in `exclude` (claimed earlier in
-    the same step). Runs in the caller's transaction (the relay step's, which deletes the
-    rows once the broker confirmed them) and locks the rows FOR UPDATE SKIP LOCKED: rows
-    another relay holds are passed over, so relays split the work. One index range per
-    owner (outbox_pending_idx). The rows come owner by owner, in no other order."""
+    the same step) and the rows another relay's claim holds. Each row claimed is stamped
+    `claimed_by` = `claim` (a new one if None) until `lease_seconds` from the database's
+    clock; a row whose claim ran out is claimable again. Runs in the caller's short
+    transaction (the relay's claim, committed before it publishes) and locks the rows FOR
+    UPDATE SKIP LOCKED until then: relays claiming at once split the work. One index range
+    per owner (outbox_pending_idx), reading past at most the rows being published. The
+    rows come owner by owner in the quotas' order, each owner's by priority, then oldest
+    first."""
     rows = fetch_all(
         f"""
-        SELECT m.id, m.message_id, m.run_id, m.task_name, m.queue, m.priority,
-               m.timeout_seconds, m.created_at, m.owner_id
-          FROM unnest(%(owners)s::{OWNER_ID_TYPE}[], %(quotas)s::int[]) AS share (owner, quota)
-         CROSS JOIN LATERAL (
-               SELECT * FROM {OUTBOX_TABLE} AS pending
-                WHERE pending.state = %(pending)s AND pending.queue = %(queue)s
-                  AND pending.owner_id = share.owner AND pending.id <> ALL(%(exclude)s)
-                ORDER BY pending.priority DESC, pending.id
-                LIMIT share.quota
-                  FOR UPDATE SKIP LOCKED
-               ) AS m
+        WITH picked AS (
+            SELECT m.id
+              FROM unnest(%(owners)s::{OWNER_ID_TYPE}[], %(quotas)s::int[])
+                   AS share (owner, quota)
+             CROSS JOIN LATERAL (
+                   SELECT pending.id FROM {OUTBOX_TABLE} AS pending
+                    WHERE pending.state = %(pending)s AND pending.queue = %(queue)s
+                      AND pending.owner_id = share.owner AND pending.id <> ALL(%(exclude)s)
+                      AND (pending.claimed_until IS NULL OR pending.claimed_until < now())
+                    ORDER BY pending.priority DESC, pending.id
+                    LIMIT share.quota
+                      FOR UPDATE SKIP LOCKED
+                   ) AS m
+        )
+        , claimed AS (
+            UPDATE {OUTBOX_TABLE} AS m
+               SET claimed_by = %(claim)s,
+                   claimed_until = now() + make_interval(secs => %(lease)s)
+              FROM picked WHERE m.id = picked.id
+            RETURNING m.id, m.message_id, m.run_id, m.task_name, m.queue, m.priority,
+                      m.timeout_seconds, m.created_at, m.owner_id
+        )
+        SELECT * FROM claimed
+         ORDER BY array_position(%(owners)s::{OWNER_ID_TYPE}[], owner_id), priority DESC, id
         """,
         {"owners": list(quotas), "quotas": list(quotas.values()), "queue": queue,
-         "pending": PENDING, "exclude": exclude},
+         "pending": PENDING, "exclude": exclude, "claim": claim or uuid.uuid4(),
+         "lease": lease_seconds},
     )  # fmt: skip
     return [PendingMessage(*row) for row in rows]

@@ -1,15 +1,19 @@
 """Fair shares: the owners of a queue's pending outbox rows, with their operators' limits,
-and the advisory locks that serialize the relays claiming for one limited owner
+what counts against their limits, and the advisory locks that serialize the relays
+claiming for one limited owner, each held only for a claim's short transaction
 (dispatch.shares holds the policy)."""
 
 from __future__ import annotations
 
 from typing import NamedTuple
 
-from .outbox import OUTBOX_TABLE, PENDING
+from .outbox import ACTIVE_RUN_TABLE, OUTBOX_TABLE, PENDING
 from .sql import fetch_all
 
 OWNER_LIMIT_TABLE = "jobs_ownerlimit"
+RUN_TABLE = "jobs_run"
+# jobs.models.OWNER_LIMIT_STATES: the states of a published run that count.
+ACTIVE_STATES = ["queued", "running"]
 # The advisory lock space of owners' limits (pg_try_advisory_xact_lock(space, key)).
 LIMIT_LOCK_SPACE = 0x5EED
 
@@ -64,3 +68,27 @@ def owner_limits_try_lock(*, owners: list[int]) -> set[int]:
         [owners, LIMIT_LOCK_SPACE],
     )
     return {owner for (owner,) in rows}
+
+
+def owners_count_active(*, owners: list[int]) -> dict[int, int]:
+    """Owner -> what counts against its limit, read in one statement (one snapshot): its
+    published runs still queued or running (ActiveRun), and its rows a relay's live claim
+    holds (being published now, in any queue; outbox_claimed_idx). A relay that publishes
+    deletes its rows and records their ActiveRun in one transaction, so a run is counted
+    once, before and after. A claim that ran out does not count: its rows are any relay's
+    to take. Takes no lock."""
+    if not owners:
+        return {}
+    rows = fetch_all(
+        f"""
+        SELECT owner, (SELECT count(*) FROM {ACTIVE_RUN_TABLE} AS active
+                         JOIN {RUN_TABLE} AS run ON run.id = active.run_id
+                        WHERE active.owner_id = owner AND run.state = ANY(%(states)s))
+                    + (SELECT count(*) FROM {OUTBOX_TABLE} AS claimed
+                        WHERE claimed.owner_id = owner AND claimed.state = %(pending)s
+                          AND claimed.claimed_by IS NOT NULL AND claimed.claimed_until >= now())
+          FROM unnest(%(owners)s::integer[]) AS owner
+        """,
+        {"owners": owners, "states": ACTIVE_STATES, "pending": PENDING},
+    )
+    return {owner: count for owner, count in rows if count}

@@ -67,7 +67,11 @@ def test_relay_killed_after_confirm_duplicate_refused_and_counted(stack, make_jo
     run_at = (dt.datetime.now(dt.UTC) + dt.timedelta(seconds=1)).isoformat()
     job = make_job(task="tests.record", schedule={"kind": "once", "run_at": run_at})
     stack.scheduler()
-    crashing = stack.relay("relay-crashing", SCHEDULER_FAILPOINTS="relay.after_confirm")
+    # Its claim on the row lasts 16 s (the shortest above the confirm wait): then another
+    # relay publishes the row again.
+    crashing = stack.relay(
+        "relay-crashing", "--claim-lease", "16", SCHEDULER_FAILPOINTS="relay.after_confirm"
+    )
     crashing.wait(timeout=60)
     assert crashing.returncode == -signal.SIGKILL, stack.log("relay-crashing").decode()[-3000:]
     # The broker confirmed the message, but the row was never deleted.
@@ -83,7 +87,7 @@ def test_relay_killed_after_confirm_duplicate_refused_and_counted(stack, make_jo
     )
     wait_for(
         lambda: Run.objects.get(id=run.id).duplicate_deliveries == 1,
-        timeout=30,
+        timeout=60,
         message="the duplicate delivery to be refused",
     )
     assert not OutboxMessage.objects.filter(id=message.id).exists()

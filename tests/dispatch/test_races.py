@@ -372,3 +372,61 @@ def test_a_final_failure_pausing_its_job_never_deadlocks_with_cancel_previous(ma
     assert not errors, {k: repr(v)[:200] for k, v in errors.items()}
     assert Run.objects.get(id=run.id).state == RunState.FAILED
     assert Job.objects.get(id=job.id).state == "paused"
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_cancel_never_holds_a_run_claimed_meanwhile_while_it_waits_for_its_attempt(
+    queued_run,
+):
+    """Cancelling runs of several jobs locks their running attempts and the runs not
+    running. A claim that commits while the cancel waits on its run leaves that run locked
+    all the same (PostgreSQL locks a row's new version before it finds it no longer
+    matches): the cancel must not then wait for the new attempt, which a worker ending it
+    holds while it waits for the run (the drill's deadlock, lined up here)."""
+    from jobs.models import Attempt, Run, RunState
+
+    busy = queued_run()
+    busy_attempt = run_claim(run_id=busy.id, worker="w")  # running: attempt A0
+    fresh = queued_run()  # queued: the claim below starts it while the cancel waits
+    claiming, claimed, holding, release = (threading.Event() for _ in range(4))
+    errors: list = []
+    ended: list = []
+
+    def hold_busy_attempt() -> None:  # another session holds A0 (a keeper's renewal, say)
+        with transaction.atomic():
+            list(Attempt.objects.select_for_update().filter(id=busy_attempt.id))
+            holding.set()
+            release.wait(20)
+
+    def claim_fresh() -> None:  # a claim in flight on the queued run
+        with transaction.atomic():
+            ended.append(run_claim(run_id=fresh.id, worker="w"))
+            claiming.set()
+            claimed.wait(20)
+
+    def cancel_both() -> None:
+        with transaction.atomic():
+            transitions.runs_lock_to_cancel(run_ids=[busy.id, fresh.id])
+
+    def succeed_fresh() -> None:  # the worker ends the new attempt: attempt, then run
+        with transaction.atomic():
+            transitions.attempts_succeed(outcomes=[(ended[0], None)])
+
+    threads = [in_thread(hold_busy_attempt, errors), in_thread(claim_fresh, errors)]
+    try:
+        assert holding.wait(10) and claiming.wait(10)
+        threads.append(in_thread(cancel_both, errors))
+        wait_for_lock_waiters(1)  # the cancel waits (on the run, or on A0)
+        claimed.set()  # the claim commits: the run is running, with a new attempt
+        threads[1].join(10)
+        time.sleep(0.3)
+        wait_for_lock_waiters(1)  # the cancel waits on A0
+        threads.append(in_thread(succeed_fresh, errors))
+        time.sleep(1.0)  # the worker's success runs, or waits on the run the cancel holds
+    finally:
+        release.set()
+        claimed.set()
+        for thread in threads:
+            thread.join(20)
+    assert errors == []
+    assert Run.objects.get(id=fresh.id).state == RunState.SUCCEEDED

@@ -23,6 +23,7 @@ from tests.dispatch.test_relay import _drain_queue
 from tests.processes import purge_queue
 
 NOW = dt.datetime(2030, 1, 1, tzinfo=dt.UTC)
+LAPSED = dt.datetime(2000, 1, 1, tzinfo=dt.UTC)  # a claim that ran out (the database's clock)
 DUE = {"now": NOW - dt.timedelta(minutes=1),
        "schedule": {"kind": "once", "run_at": NOW.isoformat()}}  # fmt: skip
 
@@ -195,3 +196,82 @@ def test_a_replayed_run_does_not_count_against_its_own_publication(make_job, use
     run.refresh_from_db()
     assert run_replay_request(run=run, actor=user, now=NOW)
     assert _published_again(relay, run)
+
+
+class _Watching(ConfirmingPublisher):
+    """Publishes as a relay does; while it publishes, asks another session what it could
+    take: the owner's advisory lock and the claimed rows' row locks."""
+
+    def __init__(self, other, owner_id: int) -> None:
+        super().__init__(settings.CELERY_BROKER_URL, settings.CELERY_BROKER_TRANSPORT_OPTIONS)
+        self.other, self.owner_id, self.seen = other, owner_id, []
+
+    def publish_batch_and_confirm(self, messages, **kwargs):
+        free = self.other.execute(
+            "SELECT pg_try_advisory_lock(%s, hashtext(%s::text))", [LIMIT_LOCK_SPACE, self.owner_id]
+        ).fetchone()[0]
+        if free:
+            self.other.execute(
+                "SELECT pg_advisory_unlock(%s, hashtext(%s::text))",
+                [LIMIT_LOCK_SPACE, self.owner_id],
+            )
+        ids = [message.id for message in messages]
+        with self.other.transaction():
+            locked = len(self.other.execute(
+                "SELECT id FROM dispatch_outboxmessage WHERE id = ANY(%s)"
+                " FOR UPDATE SKIP LOCKED", [ids]
+            ).fetchall())  # fmt: skip
+        self.seen.append((free, locked == len(ids)))
+        return super().publish_batch_and_confirm(messages, **kwargs)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_relay_holds_no_lock_another_relay_needs_while_it_publishes(make_job, user):
+    """While a relay waits for the broker, another session takes the owner's limit lock and
+    every claimed row's lock at once: the claim is committed, a lease, not a lock; the
+    owner's live claims count against its limit meanwhile, and the limit holds."""
+    purge_queue()
+    OwnerLimit.objects.create(owner=user, max_active_runs=2)
+    for _ in range(3):
+        make_job(owner=user, **DUE)
+    scheduler_run_once(now=NOW, config=SchedulerConfig())
+    db = connection.settings_dict
+    with psycopg.connect(host=db["HOST"] or "127.0.0.1", port=db["PORT"] or 5432,
+                         user=db["USER"], dbname=db["NAME"], autocommit=True) as other:  # fmt: skip
+        publisher = _Watching(other, user.id)
+        try:
+            result = relay_run_once(now=NOW, config=RelayConfig(), publisher=publisher)
+        finally:
+            publisher.close()
+    assert publisher.seen == [(True, True)]
+    assert (result.published, result.held_back) == (2, 1)
+    assert ActiveRun.objects.filter(owner=user).count() == 2
+    assert OutboxMessage.objects.filter(owner=user, claimed_by__isnull=True).count() == 1
+    purge_queue()
+
+
+def test_a_lapsed_claim_is_published_by_another_relay_within_the_owner_s_limit(
+    make_job, user, relay
+):
+    """A relay froze after claiming an owner's rows: while its claim lasts they count
+    against the limit and no one publishes them; once it ran out, another relay publishes
+    them, and the frozen relay, waking, deletes and counts nothing."""
+    import uuid
+
+    from storage.outbox import outbox_claim_pending, outbox_delete_published
+
+    OwnerLimit.objects.create(owner=user, max_active_runs=3)
+    for _ in range(4):
+        make_job(owner=user, **DUE)
+    scheduler_run_once(now=NOW, config=SchedulerConfig())
+    frozen = uuid.uuid4()
+    claimed = outbox_claim_pending(queue="jobs", quotas={user.id: 2}, exclude=[], claim=frozen)
+    assert relay().published == 1  # 2 claimed live + 1 = the limit
+    assert relay().published == 0
+    OutboxMessage.objects.filter(claimed_by=frozen).update(claimed_until=LAPSED)
+    assert relay().published == 2
+    assert not OutboxMessage.objects.filter(id__in=[row.id for row in claimed]).exists()
+    assert OutboxMessage.objects.count() == 1  # the fourth waits for room
+    assert ActiveRun.objects.filter(owner=user).count() == 3
+    assert outbox_delete_published(message_ids=[row.id for row in claimed], claim=frozen) == []
+    assert len(_drain_queue()) == 3

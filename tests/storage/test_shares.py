@@ -13,6 +13,7 @@ from storage.shares import (
     OWNER_LIMIT_TABLE,
     PendingOwner,
     owner_limits_try_lock,
+    owners_count_active,
     owners_list_pending,
 )
 from tests.factories import owner
@@ -20,7 +21,11 @@ from tests.threads import in_thread
 
 
 def test_the_owner_limit_table_is_the_models():
+    from jobs.models import OWNER_LIMIT_STATES, Run
+    from storage.shares import ACTIVE_STATES, RUN_TABLE
+
     assert OWNER_LIMIT_TABLE == OwnerLimit._meta.db_table
+    assert (RUN_TABLE, ACTIVE_STATES) == (Run._meta.db_table, list(OWNER_LIMIT_STATES))
 
 
 def test_the_owners_of_a_queues_pending_rows_with_their_limits(queued_run):
@@ -71,3 +76,24 @@ def test_an_owners_limit_is_held_by_one_transaction_at_a_time():
     # Released at commit (this transaction's own, at its end, too).
     with transaction.atomic():
         assert owner_limits_try_lock(owners=[1, 2, 3]) == {1, 2, 3}
+
+
+def test_an_owner_s_active_runs_and_live_claims_count_and_a_lapsed_claim_does_not(queued_run):
+    import uuid
+
+    from jobs.models import ActiveRun, RunState
+    from storage.outbox import outbox_claim_pending
+
+    user = owner("counted")
+    published, running, finished, claimed, lapsed = (queued_run(owner=user) for _ in range(5))
+    for run, state in ((published, RunState.QUEUED), (running, RunState.RUNNING),
+                       (finished, RunState.SUCCEEDED)):  # fmt: skip
+        OutboxMessage.objects.filter(run=run).delete()
+        type(run).objects.filter(id=run.id).update(state=state)
+        ActiveRun.objects.create(run=run, owner=user, published_at=run.created_at)
+    assert owners_count_active(owners=[user.id]) == {user.id: 2}
+    rows = outbox_claim_pending(queue="jobs", quotas={user.id: 2}, exclude=[], claim=uuid.uuid4())
+    assert {row.run_id for row in rows} == {claimed.id, lapsed.id}
+    assert owners_count_active(owners=[user.id]) == {user.id: 4}
+    OutboxMessage.objects.filter(run=lapsed).update(claimed_until="2000-01-01T00:00:00Z")
+    assert owners_count_active(owners=[user.id, owner("idle").id]) == {user.id: 3}

@@ -25,13 +25,21 @@ class Command(BaseCommand):
             default=RelayConfig.poll_interval,
             help="seconds between looks at an empty outbox when no notification came",
         )
+        parser.add_argument(
+            "--claim-lease",
+            type=float,
+            default=RelayConfig.claim_lease,
+            help="seconds a step's claim on the rows it publishes lasts: a relay frozen or "
+            "dead holds its claimed rows back no longer than this",
+        )
         parser.add_argument("--max-steps", type=int, default=None, help="stop after N steps")
 
-    def handle(self, *args, batch_size, poll_interval, max_steps, **options):
+    def handle(self, *args, batch_size, poll_interval, claim_lease, max_steps, **options):
         try:
             config = RelayConfig(
                 batch_size=batch_size,
                 poll_interval=poll_interval,
+                claim_lease=claim_lease,
                 high_water=settings.SCHEDULER_QUEUE_HIGH_WATER,
                 owner_max_active_runs=settings.SCHEDULER_OWNER_MAX_ACTIVE_RUNS,
             )
