@@ -43,8 +43,8 @@ from .config import config_require
 
 @dataclasses.dataclass(frozen=True)
 class WebhookConfig:
-    batch_size: int = 32  # deliveries claimed per pass
-    concurrency: int = 8  # posts in flight at once
+    batch_size: int = 16  # deliveries claimed per pass
+    concurrency: int = 16  # posts in flight at once
     timeout: float = 10.0  # seconds for an answer
     retry_seconds: float = 10.0  # the first retry's wait (SCHEDULER_WEBHOOK_RETRY_SECONDS)
     max_retry_seconds: float = 3600.0  # each next wait doubles, up to this
@@ -59,8 +59,9 @@ class WebhookConfig:
 
     @property
     def lease_seconds(self) -> float:
-        """How long a claimed delivery is held: every post of the batch, with a margin."""
-        return math.ceil(self.batch_size / self.concurrency) * (self.timeout + 5) + 15
+        """How long a claimed delivery is held: every post of the batch, with a margin (15 s
+        by default: a poster killed mid-post delays its deliveries' next try that long)."""
+        return math.ceil(self.batch_size / self.concurrency) * (self.timeout + 2) + 3
 
     def retry_wait(self, attempt: int) -> float:
         return min(self.max_retry_seconds, self.retry_seconds * 2 ** min(attempt - 1, 30))

@@ -260,6 +260,8 @@ LOGGING = {
         }
     },
     "root": {"handlers": ["console"], "level": "INFO"},
+    # httpx logs every webhook post at INFO; the deliveries' attempts record them instead.
+    "loggers": {"httpx": {"level": "WARNING"}},
 }
 
 SCHEDULER_TASK_MODULES = env.SCHEDULER_TASK_MODULES

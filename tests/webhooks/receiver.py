@@ -27,15 +27,20 @@ class Receiver:
         self.requests: list[dict] = []
         self.lock = threading.Lock()
         self.failing = threading.Event()
+        self.in_flight = 0  # requests read, not answered yet
+        self.delay = delay  # seconds each request is held before its answer
         receiver = self
 
         class Handler(BaseHTTPRequestHandler):
             def do_POST(self):  # noqa: N802 - http.server's name
                 body = self.rfile.read(int(self.headers["Content-Length"]))
-                if delay:
-                    threading.Event().wait(delay)
+                with receiver.lock:
+                    receiver.in_flight += 1
+                if receiver.delay:
+                    threading.Event().wait(receiver.delay)
                 status = 500 if receiver.failing.is_set() else 200
                 with receiver.lock:
+                    receiver.in_flight -= 1
                     receiver.requests.append(
                         {
                             "headers": dict(self.headers),
