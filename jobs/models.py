@@ -740,6 +740,12 @@ class WebhookDelivery(models.Model):
                 condition=Q(state="pending"),
             ),
             models.Index(fields=["webhook", "-created_at"], name="webhook_delivery_idx"),
+            # The pruner's: finished deliveries by age (dispatch.pruner).
+            models.Index(
+                fields=["created_at"],
+                name="webhook_delivery_done_idx",
+                condition=Q(state__in=["delivered", "abandoned"]),
+            ),
         ]
         constraints = [
             models.CheckConstraint(

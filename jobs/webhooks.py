@@ -24,7 +24,13 @@ from django.db.models import QuerySet
 
 from storage.webhooks import webhook_deliveries_record_for_job
 
-from .models import Webhook, WebhookDelivery, WebhookEvent
+from .models import (
+    Webhook,
+    WebhookAttempt,
+    WebhookDelivery,
+    WebhookDeliveryState,
+    WebhookEvent,
+)
 from .notify import CHANNEL_WEBHOOKS, notify
 from .roles import user_is_operator
 
@@ -165,3 +171,22 @@ def webhook_get(*, user: AbstractBaseUser, webhook_id: uuid.UUID) -> Webhook | N
 def webhook_delivery_list(*, webhook: Webhook) -> QuerySet[WebhookDelivery]:
     """A webhook's deliveries, each with its attempts."""
     return WebhookDelivery.objects.filter(webhook=webhook).prefetch_related("attempts")
+
+
+def webhook_deliveries_prune(*, cutoff: dt.datetime, limit: int) -> int:
+    """Delete up to `limit` delivered or abandoned deliveries (with their attempts) of
+    events before `cutoff`; how many deliveries. Pending ones are never pruned."""
+    done = [WebhookDeliveryState.DELIVERED, WebhookDeliveryState.ABANDONED]
+    ids = list(
+        WebhookDelivery.objects.filter(state__in=done, created_at__lt=cutoff)
+        .order_by("created_at")
+        .values_list("id", flat=True)[:limit]
+    )
+    if not ids:
+        return 0
+    WebhookAttempt.objects.filter(delivery_id__in=ids).delete()
+    return (
+        WebhookDelivery.objects.filter(id__in=ids, state__in=done)
+        .delete()[1]
+        .get(WebhookDelivery._meta.label, 0)
+    )

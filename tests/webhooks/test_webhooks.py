@@ -191,3 +191,20 @@ def test_a_delivery_is_abandoned_after_the_retry_window(user, queued_run):
     assert webhook_deliveries_run_once(now=later, config=ALLOW).abandoned == 1
     delivery.refresh_from_db()
     assert delivery.state == WebhookDeliveryState.ABANDONED
+
+
+def test_the_pruner_deletes_finished_deliveries_past_retention(user, queued_run):
+    from dispatch.pruner import PrunerConfig, pruner_run_once
+
+    hook = _webhook(user)
+    old = factories.PINNED_NOW - dt.timedelta(days=40)
+    for state in ("delivered", "abandoned", "pending"):
+        WebhookDelivery.objects.create(webhook=hook, event="run.failed", state=state,
+                                       created_at=old)  # fmt: skip
+    WebhookDelivery.objects.create(webhook=hook, event="run.failed", state="delivered",
+                                   created_at=factories.PINNED_NOW)  # fmt: skip
+    config = PrunerConfig(run_retention_days=30)
+    assert pruner_run_once(now=factories.PINNED_NOW, config=config).webhook_deliveries_pruned == 2
+    assert sorted(WebhookDelivery.objects.values_list("state", flat=True)) == [
+        "delivered", "pending"
+    ]  # fmt: skip
