@@ -3,6 +3,7 @@ through the API (the secret is shown once, there); operators see what was posted
 attempt's answer and the next retry."""
 
 from django.contrib import admin
+from django.db import models
 
 from ..models import Webhook, WebhookAttempt, WebhookDelivery
 from .model_admins import ReadOnlyAdmin
@@ -14,6 +15,7 @@ class WebhookAdmin(ReadOnlyAdmin):
     list_filter = ("owner",)
     search_fields = ("url", "owner__username")
     exclude = ("secret",)  # never shown again after its creation
+    formfield_overrides = {models.URLField: {"assume_scheme": "https"}}
 
 
 class WebhookAttemptInline(admin.TabularInline):

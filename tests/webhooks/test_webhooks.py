@@ -208,3 +208,17 @@ def test_the_pruner_deletes_finished_deliveries_past_retention(user, queued_run)
     assert sorted(WebhookDelivery.objects.values_list("state", flat=True)) == [
         "delivered", "pending"
     ]  # fmt: skip
+
+
+def test_the_admin_shows_deliveries_and_attempts_never_the_secret(client, user, queued_run):
+    hook = _webhook(user, url="http://127.0.0.1:9/hook")  # nothing listens there
+    _fail(queued_run())
+    webhook_deliveries_run_once(now=dt.datetime.now(dt.UTC), config=ALLOW)
+    delivery = WebhookDelivery.objects.get()
+    client.force_login(factories.superuser("admin"))
+    listed = client.get("/admin/jobs/webhookdelivery/")
+    assert listed.status_code == 200 and str(delivery.id) in listed.content.decode()
+    page = client.get(f"/admin/jobs/webhookdelivery/{delivery.id}/change/").content.decode()
+    assert "ConnectError" in page  # the attempt's error, inline
+    page = client.get(f"/admin/jobs/webhook/{hook.id}/change/").content.decode()
+    assert hook.url in page and hook.secret not in page
