@@ -10,6 +10,8 @@
 - Run logs (chunks, their stored content, manifests) of attempts finished more than
   `SCHEDULER_LOG_RETENTION_DAYS` ago (`logs_app.retention.logs_prune`; a running attempt's
   logs never are).
+- Webhook deliveries delivered or abandoned, `SCHEDULER_RUN_RETENTION_DAYS` after their
+  event, with their attempts (`jobs.webhooks.webhook_deliveries_prune`; pending ones never).
 - The tallies' deltas (`storage.tallies`), rolled up into one row per series: up to
   `tally_batches` transactions of `tally_batch_size` deltas, so what /metrics sums stays
   about one interval's events.
@@ -29,6 +31,7 @@ from django.db import transaction
 
 from jobs.idempotency import idempotency_prune
 from jobs.retention import runs_delete
+from jobs.webhooks import webhook_deliveries_prune
 from logs_app.retention import logs_prune, run_logs_delete
 from logs_app.store import stored_content_delete
 from storage.retention import runs_expired_claim
@@ -79,6 +82,7 @@ class PrunerResult:
     idempotency_keys_pruned: int = 0
     throttle_windows_pruned: int = 0
     logs_pruned: int = 0  # chunks and manifests
+    webhook_deliveries_pruned: int = 0
     tally_deltas_rolled_up: int = 0
     batch_full: bool = False
 
@@ -89,6 +93,10 @@ def pruner_run_once(*, now: dt.datetime, config: PrunerConfig) -> PrunerResult:
     with transaction.atomic():
         keys = idempotency_prune(now=now, limit=config.batch_size)
     windows = throttle_windows_delete_ended(now=now, limit=config.batch_size)
+    with transaction.atomic():
+        deliveries = webhook_deliveries_prune(
+            cutoff=now - _run_retention(config), limit=config.batch_size
+        )
     # Not in one transaction: stored content is deleted as it goes, and cannot roll back.
     logs = logs_prune(
         now=now, retention_days=config.logs_retention_days, batch_size=config.batch_size
@@ -100,7 +108,10 @@ def pruner_run_once(*, now: dt.datetime, config: PrunerConfig) -> PrunerResult:
         throttle_windows_pruned=windows,
         logs_pruned=logs,
         tally_deltas_rolled_up=deltas,
-        batch_full=runs_full or deltas_full or max(keys, windows, logs) >= config.batch_size,
+        webhook_deliveries_pruned=deliveries,
+        batch_full=runs_full
+        or deltas_full
+        or max(keys, windows, logs, deliveries) >= config.batch_size,
     )
 
 
@@ -116,10 +127,14 @@ def _roll_up_tallies(*, config: PrunerConfig) -> tuple[int, bool]:
     return deltas, True
 
 
+def _run_retention(config: PrunerConfig) -> dt.timedelta:
+    days = config.run_retention_days
+    return dt.timedelta(days=settings.SCHEDULER_RUN_RETENTION_DAYS if days is None else days)
+
+
 def _prune_runs(*, now: dt.datetime, config: PrunerConfig) -> tuple[int, int, bool]:
     """(runs deleted, rows deleted, whether the last batch was full)."""
-    days = config.run_retention_days
-    retention = dt.timedelta(days=settings.SCHEDULER_RUN_RETENTION_DAYS if days is None else days)
+    retention = _run_retention(config)
     runs = rows = 0
     for _ in range(config.run_batches):
         with transaction.atomic():

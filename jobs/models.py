@@ -7,6 +7,7 @@ State changes never happen here: `jobs.transitions` owns every one of them.
 import uuid
 
 from django.conf import settings
+from django.contrib.postgres.fields import ArrayField
 from django.core.validators import MinValueValidator
 from django.db import models
 from django.db.models import F, Q
@@ -747,3 +748,123 @@ class JobCalendar(models.Model):
 
     def __str__(self) -> str:
         return f"{self.job_id} {self.role} {self.calendar_id}"
+
+
+# -- notifications: webhooks and their deliveries ------------------------------------------
+
+
+class WebhookEvent(models.TextChoices):
+    """What a webhook may subscribe to; `ping` is sent only by the test/ action."""
+
+    RUN_FAILED = "run.failed"
+    RUN_UNDELIVERABLE = "run.undeliverable"
+    JOB_PAUSED_AFTER_FAILURES = "job.paused_after_failures"
+    QUEUE_PAUSED = "queue.paused"
+    RUN_SUCCEEDED = "run.succeeded"  # opt-in: only webhooks that name it
+
+
+class Webhook(models.Model):
+    """An owner's subscription: the events it is told of, by a signed POST to `url`, for
+    all of the owner's jobs or only `jobs`."""
+
+    id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
+    owner = models.ForeignKey(
+        settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="webhooks"
+    )
+    url = models.URLField(max_length=2000)
+    events = ArrayField(models.CharField(max_length=40, choices=WebhookEvent.choices))
+    # None: every job of the owner, present and future.
+    jobs = ArrayField(models.UUIDField(), null=True, blank=True)
+    # The HMAC key of the signatures: shown once, in the answer to the creation.
+    secret = models.CharField(max_length=100)
+    created_at = models.DateTimeField(default=timezone.now)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        indexes = [models.Index(fields=["owner", "created_at"], name="webhook_owner_idx")]
+
+    def __str__(self) -> str:
+        return f"webhook {self.url} of {self.owner_id}"
+
+
+class WebhookDeliveryState(models.TextChoices):
+    """A delivery's lifecycle; dispatch.webhooks moves it out of `pending`."""
+
+    PENDING = "pending"  # posted at next_attempt_at, again and again until a 2xx
+    DELIVERED = "delivered"  # terminal: a 2xx answer
+    ABANDONED = "abandoned"  # terminal: no 2xx within the retry window (days)
+
+
+class WebhookDelivery(models.Model):
+    """One event told to one webhook: written in the transaction of the event (a trigger
+    on the run's terminal transition, storage.webhooks), posted by dispatch.webhooks. Its
+    id is the `X-Scheduler-Delivery` of every try: receivers deduplicate by it."""
+
+    id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
+    webhook = models.ForeignKey(Webhook, on_delete=models.CASCADE, related_name="deliveries")
+    event = models.CharField(max_length=40)
+    # What it reports; no foreign keys, so that retention's deletion of a run keeps the
+    # record of what was told.
+    job_id = models.UUIDField(null=True, blank=True)
+    run_id = models.UUIDField(null=True, blank=True)
+    data = models.JSONField(null=True, blank=True)  # the event's own data (queue.paused, ping)
+    # The request body, rendered at the first try and sent the same at every later one.
+    body = models.TextField(blank=True, default="")
+    state = models.CharField(
+        max_length=16,
+        choices=WebhookDeliveryState.choices,
+        default=WebhookDeliveryState.PENDING,
+    )
+    created_at = models.DateTimeField(db_default=Now())
+    # When the next try is due; a try in flight holds it a lease ahead (a poster killed
+    # mid-post leaves it to be tried again, under the same id, once the lease is over).
+    next_attempt_at = models.DateTimeField(db_default=Now())
+    attempt_count = models.PositiveIntegerField(default=0)
+    last_status_code = models.PositiveSmallIntegerField(null=True, blank=True)
+    delivered_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        verbose_name_plural = "webhook deliveries"
+        indexes = [
+            models.Index(
+                fields=["next_attempt_at"],
+                name="webhook_delivery_due_idx",
+                condition=Q(state="pending"),
+            ),
+            models.Index(fields=["webhook", "-created_at"], name="webhook_delivery_idx"),
+            # The pruner's: finished deliveries by age (dispatch.pruner).
+            models.Index(
+                fields=["created_at"],
+                name="webhook_delivery_done_idx",
+                condition=Q(state__in=["delivered", "abandoned"]),
+            ),
+        ]
+        constraints = [
+            models.CheckConstraint(
+                condition=Q(state__in=WebhookDeliveryState.values),
+                name="webhook_delivery_state_valid",
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.event} delivery {self.id} ({self.state})"
+
+
+class WebhookAttempt(models.Model):
+    """One POST of a delivery: recorded when it starts, completed with its answer (a
+    poster killed mid-post leaves it without one)."""
+
+    delivery = models.ForeignKey(WebhookDelivery, on_delete=models.CASCADE, related_name="attempts")
+    number = models.PositiveIntegerField()
+    started_at = models.DateTimeField()
+    finished_at = models.DateTimeField(null=True, blank=True)
+    status_code = models.PositiveSmallIntegerField(null=True, blank=True)
+    error = models.TextField(blank=True, default="")
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(fields=["delivery", "number"], name="webhook_attempt_unique"),
+        ]
+
+    def __str__(self) -> str:
+        return f"attempt {self.number} of {self.delivery_id}"

@@ -33,3 +33,7 @@ def notified_instant(payload: str) -> dt.datetime | None:
     except ValueError:
         return None
     return at if at is not None and at.tzinfo is not None else None
+
+
+# Webhook deliveries were committed: the scheduler's webhook loop posts them.
+CHANNEL_WEBHOOKS = "scheduler_webhooks"

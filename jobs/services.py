@@ -27,6 +27,7 @@ from .models import (
     Run,
     RunKind,
     RunState,
+    WebhookEvent,
 )
 from .notify import CHANNEL_SCHEDULE, notify
 from .outbox import outbox_discard_pending, outbox_enqueue_runs
@@ -45,6 +46,7 @@ from .transitions import (
     run_replay,
     runs_lock_to_cancel,
 )
+from .webhooks import webhook_event_record
 
 # Spec fields whose change moves the next occurrence.
 SCHEDULE_FIELDS = ("schedule", "dst", "start_at", "end_at")
@@ -508,8 +510,12 @@ def jobs_pause_if_failing(*, jobs: list[Job], now: dt.datetime) -> set:
         limit = limits.get(job.id)
         if limit and failed[job.id] == limit and job.id not in other:
             reason = f"{limit} consecutive failed runs"
-            if job_pause(job=job, actor=None, now=now, reason=reason):
-                paused.add(job.id)
+            with transaction.atomic():  # the pause and its webhooks' deliveries, or neither
+                if job_pause(job=job, actor=None, now=now, reason=reason):
+                    webhook_event_record(
+                        event=WebhookEvent.JOB_PAUSED_AFTER_FAILURES, job_id=job.id, now=now
+                    )
+                    paused.add(job.id)
     return paused
 
 

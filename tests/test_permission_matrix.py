@@ -61,6 +61,10 @@ ROUTES = {
     "api/v1/runs/<uuid:run_id>/cancel/": Row(("POST",), "tenant"),
     "api/v1/runs/<uuid:run_id>/replay/": Row(("POST",), "tenant"),
     "api/v1/runs/<uuid:run_id>/logs/": Row(("GET",), "tenant"),
+    "api/v1/webhooks/": Row(("GET", "POST"), "authenticated"),
+    "api/v1/webhooks/<uuid:webhook_id>/": Row(("GET", "PATCH", "DELETE"), "tenant"),
+    "api/v1/webhooks/<uuid:webhook_id>/test/": Row(("POST",), "tenant"),
+    "api/v1/webhooks/<uuid:webhook_id>/deliveries/": Row(("GET",), "tenant"),
     "api/schema/": Row(("GET",), "authenticated"),
     "api/docs/": Row(("GET",), "authenticated"),
     "healthz": Row(("GET",), "probe"),
@@ -151,6 +155,13 @@ def _calendar_of(owner):
     return Calendar.objects.create(owner=owner, name="c", spec=calendar_spec_check({}))
 
 
+def _webhook_of(owner):
+    from jobs.models import Webhook
+
+    return Webhook.objects.create(owner=owner, url="https://hooks.example.com/",
+                                  events=["run.failed"], secret="whsec_matrix")  # fmt: skip
+
+
 @pytest.mark.django_db
 @pytest.mark.parametrize(("route", "method", "principal", "whose"), CASES)
 def test_permission_matrix(route, method, principal, whose):
@@ -159,9 +170,12 @@ def test_permission_matrix(route, method, principal, whose):
     other = _user(OTHER_OWNER if principal != OTHER_OWNER else OWNER)
     run = _run_of(me if whose == OWN else other)
     calendar = _calendar_of(me if whose == OWN else other)
+    webhook = _webhook_of(me if whose == OWN else other)
     url = "/" + route.replace("<uuid:job_id>", str(run.job_id)).replace(
         "<uuid:run_id>", str(run.id)
-    ).replace("<path:rest>", "outboxmessage/").replace("<uuid:calendar_id>", str(calendar.id))
+    ).replace("<path:rest>", "outboxmessage/").replace(
+        "<uuid:calendar_id>", str(calendar.id)
+    ).replace("<uuid:webhook_id>", str(webhook.id))
     client = APIClient()
     if principal != ANONYMOUS:
         client.credentials(HTTP_AUTHORIZATION=f"Token {factories.token_for(me)}")

@@ -5,6 +5,7 @@ are the actions, the job editing form and the change pages' figures. The admin r
 API's job body validation and refusals (jobs.api); the domain below imports none of it."""
 
 from . import calendars  # noqa: F401  (registers CalendarAdmin)
+from . import webhooks  # noqa: F401 - registers the webhook pages
 from .model_admins import ReadOnlyAdmin
 
 __all__ = ["ReadOnlyAdmin"]

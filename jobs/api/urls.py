@@ -1,6 +1,6 @@
 from django.urls import path
 
-from . import bulk, calendars, jobs, preview, runs
+from . import bulk, calendars, jobs, preview, runs, webhooks
 
 urlpatterns = [
     path("jobs/", jobs.JobListApi.as_view(), name="job-list"),
@@ -34,4 +34,14 @@ urlpatterns = [
     path("runs/<uuid:run_id>/", runs.RunDetailApi.as_view(), name="run-detail"),
     path("runs/<uuid:run_id>/cancel/", runs.RunCancelApi.as_view(), name="run-cancel"),
     path("runs/<uuid:run_id>/replay/", runs.RunReplayApi.as_view(), name="run-replay"),
+    path("webhooks/", webhooks.WebhookListApi.as_view(), name="webhook-list"),
+    path("webhooks/<uuid:webhook_id>/", webhooks.WebhookDetailApi.as_view(), name="webhook-detail"),
+    path(
+        "webhooks/<uuid:webhook_id>/test/", webhooks.WebhookTestApi.as_view(), name="webhook-test"
+    ),
+    path(
+        "webhooks/<uuid:webhook_id>/deliveries/",
+        webhooks.WebhookDeliveryListApi.as_view(),
+        name="webhook-deliveries",
+    ),
 ]

@@ -260,6 +260,8 @@ LOGGING = {
         }
     },
     "root": {"handlers": ["console"], "level": "INFO"},
+    # httpx logs every webhook post at INFO; the deliveries' attempts record them instead.
+    "loggers": {"httpx": {"level": "WARNING"}},
 }
 
 SCHEDULER_TASK_MODULES = env.SCHEDULER_TASK_MODULES
@@ -271,6 +273,9 @@ SCHEDULER_METRICS_TOKEN = env.SCHEDULER_METRICS_TOKEN
 SCHEDULER_MAX_PAYLOAD_BYTES = 64 * 1024
 SCHEDULER_MAX_SPEC_BYTES = 128 * 1024  # less than args and kwargs at their limits
 SCHEDULER_OWNER_MAX_JOBS = env.SCHEDULER_OWNER_MAX_JOBS
+# Webhooks (jobs.webhooks, dispatch.webhooks).
+SCHEDULER_WEBHOOK_ALLOW_PRIVATE = env.SCHEDULER_WEBHOOK_ALLOW_PRIVATE
+SCHEDULER_WEBHOOK_RETRY_SECONDS = env.SCHEDULER_WEBHOOK_RETRY_SECONDS
 # Partitions of due work between scheduler replicas, and their leases (dispatch.partitions).
 SCHEDULER_PARTITIONS = env.SCHEDULER_PARTITIONS
 SCHEDULER_PARTITION_LEASE_SECONDS = env.SCHEDULER_PARTITION_LEASE_SECONDS

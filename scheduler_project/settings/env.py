@@ -120,6 +120,12 @@ SCHEDULER_LOG_MAX_BYTES = int(env_str("SCHEDULER_LOG_MAX_BYTES", str(10 * 1024 *
 SCHEDULER_METRICS_TOKEN = os.environ.get("SCHEDULER_METRICS_TOKEN", "")
 # The most active and paused jobs one owner may hold (429 beyond it).
 SCHEDULER_OWNER_MAX_JOBS = int(env_str("SCHEDULER_OWNER_MAX_JOBS", "100000"))
+# Webhooks may target loopback, private and link-local addresses (tests, one machine).
+SCHEDULER_WEBHOOK_ALLOW_PRIVATE = env_bool("SCHEDULER_WEBHOOK_ALLOW_PRIVATE", False)
+# The first retry of a webhook delivery waits this long; each next one twice as long.
+SCHEDULER_WEBHOOK_RETRY_SECONDS = env_number(
+    "SCHEDULER_WEBHOOK_RETRY_SECONDS", 10, minimum=0.01, maximum=3600
+)
 # Throttle rates by scope, overriding the defaults: "user=6000/min,bulk=60/min".
 SCHEDULER_THROTTLE_RATES = dict(
     item.split("=", 1) for item in env_list("SCHEDULER_THROTTLE_RATES") if "=" in item

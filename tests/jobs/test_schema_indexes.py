@@ -29,7 +29,8 @@ def test_the_migrations_install_storages_triggers_and_no_other():
 
     expected = {"run_measure_insert", "run_measure_update", "attempt_measure_finish",
                 "run_failed_dead_letter",
-                "run_ended_completes_job", *(name for name, _ in STATE_TALLY_TRIGGERS)}  # fmt: skip
+                "run_ended_completes_job", "run_ended_notifies",
+                *(name for name, _ in STATE_TALLY_TRIGGERS)}  # fmt: skip
     with connection.cursor() as cursor:
         cursor.execute("SELECT tgname FROM pg_trigger WHERE NOT tgisinternal")
         assert {row[0] for row in cursor.fetchall()} == expected

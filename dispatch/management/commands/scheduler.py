@@ -24,7 +24,8 @@ from dispatch.reconciler import (
 )
 from dispatch.scheduler import SchedulerConfig, SchedulerWake
 from dispatch.wakeup import Listener
-from jobs.notify import CHANNEL_PARTITIONS, CHANNEL_SCHEDULE
+from dispatch.webhooks import WebhookConfig, webhook_deliveries_run_once
+from jobs.notify import CHANNEL_PARTITIONS, CHANNEL_SCHEDULE, CHANNEL_WEBHOOKS
 from storage.sessions import session_idle_in_transaction_timeout_set
 
 # The maintenance loops (reaper, reconciliation, pruner, clock skew) run transactions of a
@@ -34,13 +35,14 @@ from storage.sessions import session_idle_in_transaction_timeout_set
 # loop is not bounded so (a catch-up pass may think long between statements): another
 # replica ends its session when its membership expires (dispatch.partitions).
 LOOP_IDLE_IN_TRANSACTION_SECONDS = 10
-BOUNDED_LOOPS = ("reaper", "reconciler", "pruner", "clock-skew")
+BOUNDED_LOOPS = ("reaper", "reconciler", "pruner", "clock-skew", "webhooks")
 
 
 class Command(BaseCommand):
     help = (
         "Run one scheduler replica: turns due occurrences and retries into queued runs, and "
-        "runs the reaper (expired leases, timeouts), reconciliation and pruning loops beside it. "
+        "runs the reaper (expired leases, timeouts), reconciliation, pruning and webhook "
+        "delivery loops beside it. "
         "It dispatches only the partitions whose lease it holds, kept by a loop of its own."
     )
 
@@ -67,6 +69,11 @@ class Command(BaseCommand):
             "--without-pruner",
             action="store_true",
             help="run no pruning loop (finished runs, idempotency keys, run logs) in this process",
+        )
+        parser.add_argument(
+            "--without-webhooks",
+            action="store_true",
+            help="post no webhook deliveries from this process",
         )
         parser.add_argument(
             "--reconcile-interval", type=float, default=ReconcileConfig.poll_interval
@@ -160,6 +167,14 @@ class Command(BaseCommand):
             window = ReconcileWindow()
             step = run_once_step(reconcile_run_once, reconcile, queue_depth=depth, window=window)
             loops.append(self.loop("reconciler", step, stop, close=depth.close))
+        if not options["without_webhooks"]:
+            webhooks = WebhookConfig(
+                retry_seconds=settings.SCHEDULER_WEBHOOK_RETRY_SECONDS,
+                allow_private=settings.SCHEDULER_WEBHOOK_ALLOW_PRIVATE,
+            )
+            posted = Listener((CHANNEL_WEBHOOKS,), stop)
+            step = run_once_step(webhook_deliveries_run_once, webhooks)
+            loops.append(self.loop("webhooks", step, stop, wait=posted.wait, close=posted.close))
         if not options["without_pruner"]:
             loops.append(
                 self.loop(
