@@ -4,8 +4,7 @@ import is what Django's autodiscovery of `jobs.admin` runs); `actions`, `forms` 
 are the actions, the job editing form and the change pages' figures. The admin reuses the
 API's job body validation and refusals (jobs.api); the domain below imports none of it."""
 
-from . import calendars  # noqa: F401  (registers CalendarAdmin)
-from . import webhooks  # noqa: F401 - registers the webhook pages
+from . import calendars, webhooks  # noqa: F401  (register CalendarAdmin and the webhook pages)
 from .model_admins import ReadOnlyAdmin
 
 __all__ = ["ReadOnlyAdmin"]
