@@ -227,10 +227,15 @@ JOB_ACTIONS = [pause_jobs, resume_jobs, cancel_jobs, trigger_jobs, backfill_jobs
 RUN_ACTIONS = [cancel_runs, replay_runs]
 # The same actions as buttons on one job's or run's page: (label, the action's name in
 # jobs.transitions' tables of the states it may start from).
-BUTTONS = {"pause_jobs": ("Pause", "job.pause"), "resume_jobs": ("Resume", "job.resume"),
-           "cancel_jobs": ("Cancel", "job.cancel"), "trigger_jobs": ("Trigger now", "job.trigger"),
-           "backfill_jobs": ("Backfill…", "job.backfill"),
-           "cancel_runs": ("Cancel", "run.cancel"), "replay_runs": ("Replay", "run.replay")}  # fmt: skip
+BUTTONS = {
+    "pause_jobs": ("Pause", "job.pause"),
+    "resume_jobs": ("Resume", "job.resume"),
+    "cancel_jobs": ("Cancel", "job.cancel"),
+    "trigger_jobs": ("Trigger now", "job.trigger"),
+    "backfill_jobs": ("Backfill…", "job.backfill"),
+    "cancel_runs": ("Cancel", "run.cancel"),
+    "replay_runs": ("Replay", "run.replay"),
+}
 
 
 def action_buttons(modeladmin, request, obj) -> list[dict]:
