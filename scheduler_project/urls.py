@@ -10,6 +10,11 @@ from jobs.ops import views as ops
 
 from . import views
 
+# The admin says whose it is; its "View site" leads to the landing page at `/`.
+admin.site.site_header = "Durable job scheduler: admin"
+admin.site.site_title = "Scheduler admin"
+admin.site.site_url = "/"
+
 urlpatterns = [
     # The outbox, effects and counters moved from the dispatch app to jobs: old links work.
     path(
