@@ -135,7 +135,7 @@ SCHEDULER_LOG_FOLLOW_MAX_WAITING_PER_USER = int(
     env_str("SCHEDULER_LOG_FOLLOW_MAX_WAITING_PER_USER", "2")
 )
 SCHEDULER_LOG_FOLLOW_SLOTS_DIR = env_str(
-    "SCHEDULER_LOG_FOLLOW_SLOTS_DIR", str(BASE_DIR / "var" / "log-follow")
+    "SCHEDULER_LOG_FOLLOW_SLOTS_DIR", str(VAR_DIR / "log-follow")
 )
 # plain: "time level logger message" lines; json: one JSON object per line (for a log
 # shipper), with the record's extra fields (a run's logger adds run_id and attempt).
