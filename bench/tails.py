@@ -131,14 +131,20 @@ def run(args, env: dict, workdir: Path) -> dict:
     import datetime as dt
 
     from django.contrib.auth import get_user_model
+    from django.contrib.auth.models import Group
 
     from jobs.api.validation import JobSpecSerializer
     from jobs.models import Run, RunState
+    from jobs.roles import OPERATORS_GROUP
     from jobs.services import job_create
     from jobs.tokens import token_create
 
     now = dt.datetime.now(dt.UTC)
+    # Operators: each may read the one run's log, whoever owns it.
+    operators = Group.objects.get_or_create(name=OPERATORS_GROUP)[0]
     users = [get_user_model().objects.create_user(f"tail{i}") for i in range(args.users)]
+    for user in users:
+        user.groups.add(operators)
     tokens = [token_create(owner=user, now=now)[1] for user in users]
     figures = {"tails": args.tails, "users": args.users, "seconds": args.seconds}
     for label, extra in (

@@ -32,7 +32,7 @@ PAGE_SIZE = 1000
 MAX_PAGE_SIZE = 5000
 MAX_WAIT_SECONDS = 25  # a waiting request holds a WSGI worker thread: keep it short
 MAX_LINE_NUMBER = 2**31 - 1  # line numbers are PostgreSQL integers
-FOLLOW_RETRY_SECONDS = 2  # a tail over the bounds of logs_app.tails is told to retry after
+FOLLOW_RETRY_SECONDS = 5  # a tail over the bounds of logs_app.tails is told to retry after
 
 
 class PlainTextRenderer(BaseRenderer):
@@ -160,12 +160,25 @@ class RunLogsApi(APIView):
         ],
     )
     def get(self, request, run_id):
-        run = run_get(user=request.user, run_id=run_id)
-        if run is None:
-            raise Http404
         query = LogQuery(data=request.query_params)
         query.is_valid(raise_exception=True)
         params = query.validated_data
+        wait = params["wait"] if params["follow"] else 0
+        # A tail that may not wait is refused before anything is read: the refusal must
+        # cost the web worker next to nothing (logs_app.tails).
+        with tail_slot(user_id=request.user.pk) if wait else contextlib.nullcontext(True) as may:
+            if not may:
+                raise Throttled(
+                    wait=FOLLOW_RETRY_SECONDS,
+                    detail="Too many live tails are waiting (this host's or yours): retry in "
+                    f"{FOLLOW_RETRY_SECONDS} s, or read without follow.",
+                )
+            return self._answer(request, run_id=run_id, params=params, wait=wait)
+
+    def _answer(self, request, *, run_id, params: dict, wait: int):
+        run = run_get(user=request.user, run_id=run_id)
+        if run is None:
+            raise Http404
         attempts = log_attempts(run=run)
         number = params.get("attempt", attempts[-1].number if attempts else None)
         attempt = next((a for a in attempts if a.number == number), None)
@@ -179,20 +192,12 @@ class RunLogsApi(APIView):
                 f'inline; filename="run-{run.id}-attempt-{attempt.number}.log"'
             )
             return response
-        wait = params["wait"] if params["follow"] else 0
-        with tail_slot(user_id=request.user.pk) if wait else contextlib.nullcontext(True) as may:
-            if not may:
-                raise Throttled(
-                    wait=FOLLOW_RETRY_SECONDS,
-                    detail="Too many live tails are waiting (this host's or yours): retry in "
-                    f"{FOLLOW_RETRY_SECONDS} s, or read without follow.",
-                )
-            page = log_page(
-                attempt_id=attempt.id,
-                after=params["after"],
-                page_size=params["page_size"],
-                wait_seconds=wait,
-            )
+        page = log_page(
+            attempt_id=attempt.id,
+            after=params["after"],
+            page_size=params["page_size"],
+            wait_seconds=wait,
+        )
         attempt = page.attempt
         if params["follow"]:
             attempts = log_attempts(run=run)  # as of this page: it may have waited
