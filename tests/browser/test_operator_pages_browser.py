@@ -68,17 +68,18 @@ def test_landing_page_and_docs_page_lead_a_newcomer_in(chromium, transactional_d
 
 def test_lists_newest_first_and_buttons_by_state(browser):
     owner = browser.user
+    # The runs first: each one's scheduler pass (at 2030) would catch the hourly jobs up.
+    runs = {}
+    for n, state in enumerate(RunState.values):
+        run = queued_run(owner, run_at=later(60 * n), name=f"run job {n}")
+        Run.objects.filter(id=run.id).update(state=state)
+        runs[state] = run
     jobs = {}
     for n, state in enumerate(JobState.values):
         job = make_job(owner, name=f"job {state}", schedule=HOURLY,
                        now=dt.datetime.now(dt.UTC) + dt.timedelta(seconds=n))  # fmt: skip
         Job.objects.filter(id=job.id).update(state=state)
         jobs[state] = job
-    runs = {}
-    for n, state in enumerate(RunState.values):
-        run = queued_run(owner, run_at=later(60 * n), name=f"run job {n}")
-        Run.objects.filter(id=run.id).update(state=state)
-        runs[state] = run
 
     browser.driver.set_window_size(1280, 900)
     browser.get("/admin/jobs/job/")
