@@ -37,7 +37,7 @@ def _with_scheme_hint(exc: NotAuthenticated, request) -> NotAuthenticated:
     does not read (`Bearer`, `Basic`): say which one it reads. (Only /metrics reads
     `Bearer`, through its own permission: docs/security.md.)"""
     scheme = get_authorization_header(request).split(b" ", 1)[0]
-    if not scheme:
+    if not scheme or not request.path.startswith("/api/"):  # /metrics reads Bearer
         return exc
     shown = scheme.decode("latin-1")[:20]
     return NotAuthenticated(
