@@ -31,9 +31,13 @@ def _nice_ceiling(value: float) -> float:
 
 
 def _format(value: float, unit: str) -> str:
+    """A figure for people: three significant digits (0.701 s, 12.3 s, 4.5 min)."""
     if unit == "s" and value >= 120:
-        return f"{value / 60:g} min"
-    return f"{value:g}{' ' + unit if unit else ''}"
+        return f"{value / 60:.1f} min"
+    if unit == "s" and 0 < value < 0.001:
+        return f"{value * 1000:.3g} ms"
+    text = f"{value:.0f}" if value >= 100 else f"{value:.3g}"  # never 1.23e+03
+    return f"{text}{' ' + unit if unit else ''}"
 
 
 def line_chart(*, title: str, series: list[Series], unit: str = "", x_label: str) -> SafeString:

@@ -41,6 +41,9 @@ from .reconciler import BrokerQueueDepth
 
 WINDOW = dt.timedelta(hours=1)
 MINUTES = 60
+# The plots span the minutes since the window's first run, at least this many: on a new
+# system they fill their frame from the first minute instead of a sliver at the right.
+MIN_PLOT_MINUTES = 5
 SAMPLE = 20_000  # newest runs of the window the plots are drawn from
 OVERDUE_AFTER = dt.timedelta(seconds=60)
 TOP_FAILING_WINDOW = dt.timedelta(hours=24)
@@ -78,8 +81,29 @@ def _quantile(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(q * len(values)))]
 
 
-def _minute_index(at: dt.datetime, since: dt.datetime) -> int:
-    return min(MINUTES - 1, max(0, int((at - since).total_seconds() // 60)))
+@dataclasses.dataclass(frozen=True)
+class PlotSpan:
+    """The minutes the plots span, ending now: the last hour, or less on a younger system."""
+
+    start: dt.datetime
+    minutes: int
+
+    def index(self, at: dt.datetime) -> int:
+        return min(self.minutes - 1, max(0, int((at - self.start).total_seconds() // 60)))
+
+    def x(self, minute: int) -> float:
+        return (minute + 0.5) / self.minutes
+
+    @property
+    def label(self) -> str:
+        return "last hour" if self.minutes == MINUTES else f"last {self.minutes} min"
+
+
+def _plot_span(runs: list[dict], now: dt.datetime) -> PlotSpan:
+    oldest = min((run["created_at"] for run in runs), default=now)
+    minutes = -int(-(now - oldest).total_seconds() // 60)  # rounded up
+    minutes = max(MIN_PLOT_MINUTES, min(MINUTES, minutes))
+    return PlotSpan(start=now - dt.timedelta(minutes=minutes), minutes=minutes)
 
 
 def _window_runs(since: dt.datetime) -> list[dict]:
@@ -93,7 +117,7 @@ def _window_runs(since: dt.datetime) -> list[dict]:
     )
 
 
-def _lag_charts(runs: list[dict], since: dt.datetime) -> list:
+def _lag_charts(runs: list[dict], span: PlotSpan) -> list:
     charts = []
     for title, (start, end) in STAGES.items():
         per_minute: dict[int, list[float]] = defaultdict(list)
@@ -102,32 +126,32 @@ def _lag_charts(runs: list[dict], since: dt.datetime) -> list:
             if run[start] is None or run[end] is None or run["state"] == RunState.SKIPPED:
                 continue
             lag = max(0.0, (run[end] - run[start]).total_seconds())
-            per_minute[_minute_index(run["created_at"], since)].append(lag)
+            per_minute[span.index(run["created_at"])].append(lag)
         series = [
             Series(label, color, [
-                ((m + 0.5) / MINUTES, _quantile(per_minute[m], q) if per_minute[m] else None)
-                for m in range(MINUTES)
+                (span.x(m), _quantile(per_minute[m], q) if per_minute[m] else None)
+                for m in range(span.minutes)
             ])
             for label, color, q in (("p50", P50, 0.5), ("p99", P99, 0.99))
         ]  # fmt: skip
-        charts.append(line_chart(title=title, series=series, unit="s", x_label="last hour"))
+        charts.append(line_chart(title=title, series=series, unit="s", x_label=span.label))
     return charts
 
 
-def _throughput_chart(runs: list[dict], since: dt.datetime):
+def _throughput_chart(runs: list[dict], span: PlotSpan):
     finished: dict[str, list[int]] = {
-        RunState.SUCCEEDED: [0] * MINUTES,
-        RunState.FAILED: [0] * MINUTES,
+        RunState.SUCCEEDED: [0] * span.minutes,
+        RunState.FAILED: [0] * span.minutes,
     }
     for run in runs:
-        if run["state"] in finished and run["finished_at"] and run["finished_at"] >= since:
-            finished[run["state"]][_minute_index(run["finished_at"], since)] += 1
+        if run["state"] in finished and run["finished_at"] and run["finished_at"] >= span.start:
+            finished[run["state"]][span.index(run["finished_at"])] += 1
     series = [
-        Series(state, color, [((m + 0.5) / MINUTES, n) for m, n in enumerate(finished[state])])
+        Series(state, color, [(span.x(m), n) for m, n in enumerate(finished[state])])
         for state, color in ((RunState.SUCCEEDED, "#2ca02c"), (RunState.FAILED, P99))
     ]
     totals = {state: sum(counts) for state, counts in finished.items()}
-    chart = line_chart(title="runs finished / min", series=series, x_label="last hour")
+    chart = line_chart(title="runs finished / min", series=series, x_label=span.label)
     return chart, totals
 
 
@@ -193,7 +217,8 @@ def dashboard_figures(*, user: AbstractBaseUser, now: dt.datetime | None = None)
     by_state, backlog = runs_by_state_and_backlog()  # as /metrics: tallies on PostgreSQL
     due_jobs = Job.objects.filter(state=JobState.ACTIVE, next_run_at__lte=now)
     oldest_queued = Run.objects.filter(state=RunState.QUEUED).aggregate(at=Min("updated_at"))["at"]
-    throughput, finished = _throughput_chart(runs, since)
+    span = _plot_span(runs, now)
+    throughput, finished = _throughput_chart(runs, span)
     top_failing = (
         Run.objects.filter(
             state=RunState.FAILED,
@@ -216,7 +241,7 @@ def dashboard_figures(*, user: AbstractBaseUser, now: dt.datetime | None = None)
         if oldest_queued
         else 0.0,
         "sampled_runs": len(runs),
-        "lag_charts": _lag_charts(runs, since),
+        "lag_charts": _lag_charts(runs, span),
         "throughput_chart": throughput,
         "finished_last_hour": finished,
         "queues": _queues(),

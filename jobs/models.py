@@ -205,7 +205,7 @@ class Run(models.Model):
             # The scheduler releases pending runs (jitter, buffer_one) once due.
             models.Index(fields=["due_at"], name="run_pending_idx", condition=Q(state="pending")),
             # A job's active runs (overlap policy, the completer) and its latest finished
-            # ones (pause_after_failures), read without its history (issue 11).
+            # ones (pause_after_failures), read without its history.
             models.Index(
                 fields=["job", "created_at"],
                 name="run_job_active_idx",

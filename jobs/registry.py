@@ -10,6 +10,8 @@ Django's apps are still loading.
 
 from __future__ import annotations
 
+import functools
+import inspect
 from collections.abc import Callable
 
 _handlers: dict[str, Callable] = {}
@@ -35,3 +37,34 @@ def task_pack_size(name: str) -> int:
 
 def registered_task_names() -> frozenset[str]:
     return frozenset(_handlers)
+
+
+@functools.cache
+def _call_signature(handler: Callable) -> inspect.Signature | None:
+    """The handler's signature without its first parameter (the run's context); None when
+    it cannot be read (a builtin), in which case nothing is checked."""
+    try:
+        signature = inspect.signature(handler)
+    except (TypeError, ValueError):
+        return None
+    parameters = list(signature.parameters.values())
+    if parameters and parameters[0].kind in (
+        inspect.Parameter.POSITIONAL_ONLY,
+        inspect.Parameter.POSITIONAL_OR_KEYWORD,
+    ):
+        parameters = parameters[1:]
+    return signature.replace(parameters=parameters)
+
+
+def task_arguments_problem(*, name: str, args: list, kwargs: dict) -> str | None:
+    """Why `handler(ctx, *args, **kwargs)` of the task `name` could not be called (the
+    TypeError's words), else None; None too for a task this process does not know."""
+    handler = _handlers.get(name)
+    signature = _call_signature(handler) if handler is not None else None
+    if signature is None:
+        return None
+    try:
+        signature.bind(*args, **kwargs)
+    except TypeError as exc:
+        return f"The task '{name}' takes ({str(signature)[1:-1]}): {exc}."
+    return None

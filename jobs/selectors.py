@@ -8,7 +8,7 @@ import json
 import re
 
 from django.contrib.auth.models import AbstractBaseUser
-from django.db.models import Min, Prefetch, QuerySet
+from django.db.models import Min, OuterRef, Prefetch, QuerySet, Subquery
 from django.db.models.fields.json import KeyTextTransform
 from django.db.models.functions import Coalesce, Greatest
 
@@ -24,6 +24,7 @@ from .models import (
     OutboxMessage,
     OutboxState,
     Run,
+    RunState,
 )
 from .redaction import redact_change, redact_value
 from .roles import user_is_operator
@@ -44,10 +45,28 @@ def _sees_everything(user: AbstractBaseUser) -> bool:
     return user_is_operator(user)
 
 
+# A job's last outcome: its latest run that finished `succeeded` or `failed` (cancelled and
+# skipped runs say nothing about the handler), read through run_job_finished_idx.
+OUTCOME_STATES = (RunState.SUCCEEDED, RunState.FAILED)
+
+
+def jobs_with_last_outcome(jobs: QuerySet[Job]) -> QuerySet[Job]:
+    """`jobs` with `last_run_state` (succeeded | failed | None) and `last_run_at` (when that
+    run finished) of each: one index probe per job (docs/semantics.md, "Last outcome")."""
+    latest = Run.objects.filter(
+        job=OuterRef("pk"), state__in=OUTCOME_STATES, finished_at__isnull=False
+    ).order_by("-finished_at", "-id")[:1]
+    return jobs.annotate(
+        last_run_state=Subquery(latest.values("state")),
+        last_run_at=Subquery(latest.values("finished_at")),
+    )
+
+
 def job_list(*, user: AbstractBaseUser, filters: dict | None = None) -> QuerySet[Job]:
-    """The jobs `user` may see, deleted ones never. Filters: state, task, queue, label
-    (a (key, value) pair), created_after (inclusive), created_before (exclusive)."""
-    jobs = Job.objects.select_related("owner").filter(deleted_at=None)
+    """The jobs `user` may see, deleted ones never, each with its last outcome. Filters:
+    state, task, queue, label (a (key, value) pair), created_after (inclusive),
+    created_before (exclusive)."""
+    jobs = jobs_with_last_outcome(Job.objects.select_related("owner").filter(deleted_at=None))
     if not _sees_everything(user):
         jobs = jobs.filter(owner=user)
     filters = filters or {}

@@ -112,6 +112,30 @@ RUN_TRANSITIONS: dict[str, frozenset[str]] = {
 }
 
 
+# The operators' actions (the API's endpoints and the admin's actions alike) -> the states
+# their object may be in for the action to change anything, from the tables above: the
+# admin offers an action's button only there (jobs/admin/actions.py).
+JOB_ACTION_STATES: dict[str, frozenset[str]] = {
+    "job.pause": JOB_TRANSITIONS[JobState.PAUSED],
+    "job.resume": JOB_TRANSITIONS[JobState.ACTIVE],
+    "job.cancel": JOB_TRANSITIONS[JobState.CANCELLED],
+    "job.trigger": frozenset(LIVE_JOB_STATES),  # a manual run of a live job
+    "job.backfill": frozenset(LIVE_JOB_STATES),
+}
+RUN_ACTION_STATES: dict[str, frozenset[str]] = {
+    "run.cancel": RUN_TRANSITIONS[RunState.CANCELLED],
+    "run.replay": REPLAYABLE_RUN_STATES,
+}
+
+
+def action_possible(*, action: str, obj: Job | Run) -> bool:
+    """Whether `action` (`job.pause`, `run.replay`, ...) may change `obj` in its state as
+    read (a deleted job: none); the service's conditional update still decides."""
+    if isinstance(obj, Job):
+        return obj.deleted_at is None and obj.state in JOB_ACTION_STATES[action]
+    return obj.state in RUN_ACTION_STATES[action]
+
+
 def _move_runs(
     run_ids: Iterable,
     to: str,

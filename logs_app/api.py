@@ -8,12 +8,14 @@ over `next` is all a live tail needs.
 
 from __future__ import annotations
 
+import contextlib
 import json
 
 from django.http import Http404, StreamingHttpResponse
 from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import OpenApiExample, extend_schema
 from rest_framework import serializers
+from rest_framework.exceptions import Throttled
 from rest_framework.renderers import BaseRenderer, JSONRenderer
 from rest_framework.response import Response
 from rest_framework.settings import api_settings
@@ -24,11 +26,13 @@ from jobs.selectors import run_get
 from jobs.throttling import LogFollowThrottle
 
 from .selectors import LogPage, log_attempts, log_page, log_text
+from .tails import tail_slot
 
 PAGE_SIZE = 1000
 MAX_PAGE_SIZE = 5000
 MAX_WAIT_SECONDS = 25  # a waiting request holds a WSGI worker thread: keep it short
 MAX_LINE_NUMBER = 2**31 - 1  # line numbers are PostgreSQL integers
+FOLLOW_RETRY_SECONDS = 5  # a tail over the bounds of logs_app.tails is told to retry after
 
 
 class PlainTextRenderer(BaseRenderer):
@@ -123,6 +127,7 @@ class RunLogsApi(APIView):
             (404, "text/plain"): OpenApiTypes.STR,
             (400, "application/json"): OpenApiTypes.OBJECT,
             (400, "text/plain"): OpenApiTypes.STR,
+            (429, "application/json"): OpenApiTypes.OBJECT,
         },
         examples=[
             OpenApiExample(
@@ -155,12 +160,25 @@ class RunLogsApi(APIView):
         ],
     )
     def get(self, request, run_id):
-        run = run_get(user=request.user, run_id=run_id)
-        if run is None:
-            raise Http404
         query = LogQuery(data=request.query_params)
         query.is_valid(raise_exception=True)
         params = query.validated_data
+        wait = params["wait"] if params["follow"] else 0
+        # A tail that may not wait is refused before anything is read: the refusal must
+        # cost the web worker next to nothing (logs_app.tails).
+        with tail_slot(user_id=request.user.pk) if wait else contextlib.nullcontext(True) as may:
+            if not may:
+                raise Throttled(
+                    wait=FOLLOW_RETRY_SECONDS,
+                    detail="Too many live tails are waiting (this host's or yours): retry in "
+                    f"{FOLLOW_RETRY_SECONDS} s, or read without follow.",
+                )
+            return self._answer(request, run_id=run_id, params=params, wait=wait)
+
+    def _answer(self, request, *, run_id, params: dict, wait: int):
+        run = run_get(user=request.user, run_id=run_id)
+        if run is None:
+            raise Http404
         attempts = log_attempts(run=run)
         number = params.get("attempt", attempts[-1].number if attempts else None)
         attempt = next((a for a in attempts if a.number == number), None)
@@ -178,7 +196,7 @@ class RunLogsApi(APIView):
             attempt_id=attempt.id,
             after=params["after"],
             page_size=params["page_size"],
-            wait_seconds=params["wait"] if params["follow"] else 0,
+            wait_seconds=wait,
         )
         attempt = page.attempt
         if params["follow"]:

@@ -2,12 +2,17 @@
 
 import os
 
+import celery.app.trace
 from celery import Celery
 from celery.signals import celeryd_after_setup, worker_ready
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "scheduler_project.settings.base")
 
 app = Celery("scheduler_project")
+# Celery logs every task that returned as "succeeded"; a job task returns after recording
+# its run's outcome, failed or not (dispatch.worker logs a failure with its traceback), so
+# the line says what is true: the message was handled, and the run's outcome.
+celery.app.trace.LOG_SUCCESS = "Task %(name)s[%(id)s] handled in %(runtime)ss: %(return_value)s"
 app.config_from_object("django.conf:settings", namespace="CELERY")
 
 

@@ -33,11 +33,14 @@ class Row:
     # "operator" (operators and superusers; others 403), "probe" (anyone), "admin" (the
     # admin's door: staff and superusers), "redirect" (anyone: an old address), "dashboard"
     # (a signed-in session of staff, an operator or a superuser; anonymous: to the
-    # login page; its lists of jobs and runs follow the API's visibility).
+    # login page; its lists of jobs and runs follow the API's visibility), "docs" (anyone
+    # with credentials; anonymous: to the login page).
     access: str
 
 
 ROUTES = {
+    "": Row(("GET",), "probe"),  # the landing page: links, or a link to sign in
+    "api/v1/": Row(("GET",), "probe"),  # the API's root: its paths, no data
     "admin/login/": Row(("GET",), "probe"),  # the admin's login page (jobs.throttling)
     "admin/": Row(("GET",), "admin"),
     "admin/dispatch/<path:rest>": Row(("GET",), "redirect"),
@@ -66,7 +69,7 @@ ROUTES = {
     "api/v1/webhooks/<uuid:webhook_id>/test/": Row(("POST",), "tenant"),
     "api/v1/webhooks/<uuid:webhook_id>/deliveries/": Row(("GET",), "tenant"),
     "api/schema/": Row(("GET",), "authenticated"),
-    "api/docs/": Row(("GET",), "authenticated"),
+    "api/docs/": Row(("GET",), "docs"),
     "healthz": Row(("GET",), "probe"),
     "readyz": Row(("GET",), "probe"),
     "metrics": Row(("GET",), "operator"),
@@ -108,6 +111,8 @@ def expected(row: Row, principal: str, whose: str) -> str | int:
         return OK
     if row.access == "admin":
         return OK if principal in (STAFF, SUPERUSER) else 302
+    if row.access == "docs":
+        return 302 if principal == ANONYMOUS else OK
     if row.access == "dashboard":
         if principal == ANONYMOUS:
             return 302

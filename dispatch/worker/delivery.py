@@ -24,7 +24,9 @@ from .outage import adopting, with_database_retries
 from .recording import (
     Successes,
     count_stale,
+    failure_text,
     failure_writer,
+    log_failure,
     record_success,
     report_failure,
     storable_result,
@@ -175,7 +177,10 @@ def attempt_execute(
         logs = _finish_capture(capture, attempt)
         lease.finishing = True
         report_failure(exc, run=run, attempt=attempt)
-        write = failure_writer(run=run, attempt=attempt, exc=exc, worker=worker, logs=logs)
+        error = failure_text(exc)
+        write = failure_writer(
+            run=run, attempt=attempt, exc=exc, error=error, worker=worker, logs=logs
+        )
         if not isinstance(exc, Exception):
             # KeyboardInterrupt, SystemExit, CancelledError: recorded, then left to end the
             # task as they mean to; the lease is released either way.
@@ -199,6 +204,7 @@ def attempt_execute(
         outcome = with_database_retries(write)
     finally:
         LEASE_KEEPER.release(lease)
+    log_failure(run=run, attempt=attempt, error=error, outcome=outcome)
     if outcome is None:
         count_stale(str(run.id), attempt)
         outcome = "stale"

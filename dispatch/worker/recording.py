@@ -62,10 +62,35 @@ def ended_by(exc: BaseException) -> str:
     return AttemptState.TIMED_OUT if isinstance(exc, SoftTimeLimitExceeded) else AttemptState.FAILED
 
 
-def failure_writer(*, run: Run, attempt: Attempt, exc: BaseException, worker: str, logs: dict):
+def failure_text(exc: BaseException) -> str:
+    """The handler's traceback as the attempt keeps it and the worker's log shows it: the
+    last 8,000 characters, redacted (jobs.redaction)."""
+    return redact("".join(traceback.format_exception(exc))[-8000:].replace("\x00", ""))
+
+
+def log_failure(*, run: Run, attempt: Attempt, error: str, outcome: str | None) -> None:
+    """The worker's console line for a handler that raised: failed (or to be retried), with
+    its redacted traceback; never Celery's "succeeded", which only says the message was
+    handled (scheduler_project/celery.py words it so)."""
+    what = {"retry_wait": "failed; a retry follows", None: "failed (stale: not recorded)"}
+    log.error(
+        "run %s attempt %s of %s %s\n%s",
+        run.id,
+        attempt.number,
+        run.job_version.spec["task"],
+        what.get(outcome, "failed"),
+        error.rstrip(),
+    )
+
+
+def failure_writer(
+    *, run: Run, attempt: Attempt, exc: BaseException, worker: str, logs: dict,
+    error: str | None = None,
+):  # fmt: skip
     """The write of a handler's failure (`jobs.outcomes`, its logs sealed with it), for
-    `with_database_retries`: the run's new state, or None when the attempt was stale."""
-    error = redact("".join(traceback.format_exception(exc))[-8000:].replace("\x00", ""))
+    `with_database_retries`: the run's new state, or None when the attempt was stale.
+    `error`: the exception's `failure_text`, when the caller has it already."""
+    error = error if error is not None else failure_text(exc)
     failure = Failure(
         attempt=attempt,
         spec=run.job_version.spec,

@@ -35,6 +35,7 @@ from ..services import (
     run_cancel_request,
     run_replay_request,
 )
+from ..transitions import action_possible
 from .forms import validation_messages
 
 # One action acts on at most this many objects; a larger selection changes nothing.
@@ -224,14 +225,26 @@ def backfill_jobs(modeladmin, request, queryset):
 
 JOB_ACTIONS = [pause_jobs, resume_jobs, cancel_jobs, trigger_jobs, backfill_jobs]
 RUN_ACTIONS = [cancel_runs, replay_runs]
-# The same actions as buttons on one job's or run's page.
-BUTTON_LABELS = {"pause_jobs": "Pause", "resume_jobs": "Resume", "cancel_jobs": "Cancel",
-                 "trigger_jobs": "Trigger now", "backfill_jobs": "Backfill…",
-                 "cancel_runs": "Cancel", "replay_runs": "Replay"}  # fmt: skip
+# The same actions as buttons on one job's or run's page: (label, the action's name in
+# jobs.transitions' tables of the states it may start from).
+BUTTONS = {
+    "pause_jobs": ("Pause", "job.pause"),
+    "resume_jobs": ("Resume", "job.resume"),
+    "cancel_jobs": ("Cancel", "job.cancel"),
+    "trigger_jobs": ("Trigger now", "job.trigger"),
+    "backfill_jobs": ("Backfill…", "job.backfill"),
+    "cancel_runs": ("Cancel", "run.cancel"),
+    "replay_runs": ("Replay", "run.replay"),
+}
 
 
-def action_buttons(modeladmin, request) -> list[dict]:
-    """The actions this user may take, as buttons for an object's page (each posts the
-    list's action for that one object, and comes back)."""
-    return [{"name": name, "label": BUTTON_LABELS.get(name, name)}
-            for name in modeladmin.get_actions(request)]  # fmt: skip
+def action_buttons(modeladmin, request, obj) -> list[dict]:
+    """The actions this user may take on `obj` in its state, as buttons for its page (each
+    posts the list's action for that one object, and comes back): a cancelled job offers
+    none, a paused one Resume and not Pause."""
+    buttons = []
+    for name in modeladmin.get_actions(request):
+        label, action = BUTTONS.get(name, (name, None))
+        if action is None or action_possible(action=action, obj=obj):
+            buttons.append({"name": name, "label": label})
+    return buttons

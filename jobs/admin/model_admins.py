@@ -3,7 +3,9 @@ services as the API (each action is audited with its actor)."""
 
 import json
 
+from django import forms
 from django.contrib import admin, messages
+from django.urls import reverse
 from django.utils.html import format_html
 
 from ..audit import audit_record
@@ -24,6 +26,7 @@ from ..models import (
 )
 from ..redaction import redact, redact_value
 from ..roles import user_is_operator
+from ..selectors import jobs_with_last_outcome
 from ..services import job_is_editable
 from ..tokens import tokens_revoke
 from .actions import JOB_ACTIONS, RUN_ACTIONS, action_buttons
@@ -37,6 +40,19 @@ def redacted_json(value) -> str:
     return format_html(
         "<pre>{}</pre>", json.dumps(redact_value(value), indent=2, ensure_ascii=False, default=str)
     )
+
+
+def short_id(obj) -> str:
+    """The first 8 characters of the id, the whole one in its title (hover, copy)."""
+    return format_html('<code class="short-id" title="{}">{}</code>', obj.pk, str(obj.pk)[:8])
+
+
+def when(value) -> str:
+    """An instant as `2026-12-05 06:37` (UTC), the seconds in its title: one line in a list."""
+    if value is None:
+        return "-"
+    return format_html('<span title="{}">{}</span>', value.isoformat(),
+                       value.strftime("%Y-%m-%d %H:%M"))  # fmt: skip
 
 
 class ReadOnlyAdmin(admin.ModelAdmin):
@@ -63,7 +79,7 @@ class OperatorPage:
         obj = self.get_object(request, object_id)
         if obj is not None:
             extra_context = {**(extra_context or {}), **self.page(obj),
-                             "action_buttons": action_buttons(self, request)}  # fmt: skip
+                             "action_buttons": action_buttons(self, request, obj)}  # fmt: skip
         return super().change_view(request, object_id, form_url, extra_context)
 
 
@@ -72,8 +88,16 @@ class JobAdmin(OperatorPage, JobEditing, admin.ModelAdmin):
     """Created and edited through the API's validation and services (jobs/admin/forms.py);
     the page shows the schedule in words, next fires, recent runs and history."""
 
-    list_display = ("name", "task", "owner", "state", "version", "next_run_at", "created_at")
-    list_filter = ("state", "task", "queue")
+    # Newest first, one line a job at 1280 px; the last outcome beside the state (a
+    # completed job whose run failed says so: docs/api.md, "A job's state and its last
+    # outcome").
+    list_display = ("job_id", "name", "task", "owner", "state", "last_outcome", "next_run",
+                    "created")  # fmt: skip
+    list_display_links = ("job_id", "name")
+    media = forms.Media(css={"all": ["jobs/operator.css"]})
+    list_filter = ("state", "queue", "task", ("owner", admin.RelatedOnlyFieldListFilter))
+    list_select_related = ("owner",)
+    ordering = ("-created_at", "-id")
     search_fields = ("name", "task", "id")
     actions = JOB_ACTIONS
     change_form_template = "admin/jobs/job/change_form.html"
@@ -90,6 +114,29 @@ class JobAdmin(OperatorPage, JobEditing, admin.ModelAdmin):
     @admin.display(description="body")
     def body_display(self, job):
         return redacted_json(job.spec)
+
+    def get_queryset(self, request):
+        return jobs_with_last_outcome(super().get_queryset(request))
+
+    @admin.display(description="id", ordering="id")
+    def job_id(self, job):
+        return short_id(job)
+
+    @admin.display(description="last run", ordering="last_run_at")
+    def last_outcome(self, job):
+        if job.last_run_state is None:
+            return "-"
+        return format_html('<span class="state state-{}" title="finished {}">{}</span>',
+                           job.last_run_state, job.last_run_at.isoformat(),
+                           job.last_run_state)  # fmt: skip
+
+    @admin.display(description="next run", ordering="next_run_at")
+    def next_run(self, job):
+        return when(job.next_run_at)
+
+    @admin.display(description="created", ordering="created_at")
+    def created(self, job):
+        return when(job.created_at)
 
     def page(self, job) -> dict:
         return job_page(job=job, now=db_now())
@@ -115,18 +162,15 @@ class JobAdmin(OperatorPage, JobEditing, admin.ModelAdmin):
 
 @admin.register(Run)
 class RunAdmin(OperatorPage, ReadOnlyAdmin):
-    list_display = (
-        "id",
-        "job",
-        "kind",
-        "state",
-        "scheduled_for",
-        "attempt_count",
-        "failure_reason",
-        "duplicate_deliveries",
-        "finished_at",
-    )
-    list_filter = ("state", "kind", "failure_reason")
+    # Newest first, one line a run at 1280 px.
+    list_display = ("run_id", "job_name", "kind", "state", "scheduled", "attempt_count",
+                    "failure_reason", "finished")  # fmt: skip
+    list_display_links = ("run_id",)
+    media = forms.Media(css={"all": ["jobs/operator.css"]})
+    list_filter = ("state", "kind", "failure_reason", "job__queue", "job__task",
+                   ("job__owner", admin.RelatedOnlyFieldListFilter))  # fmt: skip
+    list_select_related = ("job",)
+    ordering = ("-created_at", "-id")
     search_fields = ("id", "job__name", "idempotency_key")
     date_hierarchy = "scheduled_for"
     actions = RUN_ACTIONS
@@ -137,6 +181,23 @@ class RunAdmin(OperatorPage, ReadOnlyAdmin):
     @admin.display(description="result")
     def shown_result(self, run):
         return redacted_json(run.result)
+
+    @admin.display(description="id", ordering="id")
+    def run_id(self, run):
+        return short_id(run)
+
+    @admin.display(description="job", ordering="job__name")
+    def job_name(self, run):
+        url = reverse("admin:jobs_job_change", args=[run.job_id])
+        return format_html('<a href="{}" title="{}">{}</a>', url, run.job_id, run.job.name[:60])
+
+    @admin.display(description="scheduled for", ordering="scheduled_for")
+    def scheduled(self, run):
+        return when(run.scheduled_for)
+
+    @admin.display(description="finished", ordering="finished_at")
+    def finished(self, run):
+        return when(run.finished_at)
 
     def page(self, run) -> dict:
         return run_page(run=run)

@@ -11,6 +11,8 @@ from django.http import Http404
 from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import OpenApiParameter
 from rest_framework import serializers, status
+from rest_framework.authentication import get_authorization_header
+from rest_framework.exceptions import NotAuthenticated, NotFound
 from rest_framework.pagination import CursorPagination
 from rest_framework.response import Response
 from rest_framework.views import exception_handler
@@ -30,7 +32,23 @@ def api_exception_handler(exc, context):
         return Response({"detail": str(exc)}, status=status.HTTP_429_TOO_MANY_REQUESTS)
     if isinstance(exc, CalendarRefused):  # the same words whether it exists or not
         return Response({"calendars": [str(exc)]}, status=status.HTTP_400_BAD_REQUEST)
+    if isinstance(exc, NotAuthenticated):
+        exc = _with_scheme_hint(exc, context["request"])
     return exception_handler(exc, context)
+
+
+def _with_scheme_hint(exc: NotAuthenticated, request) -> NotAuthenticated:
+    """A "credentials were not provided" to a request that sent some, in a scheme this API
+    does not read (`Bearer`, `Basic`): say which one it reads. (Only /metrics reads
+    `Bearer`, through its own permission: docs/security.md.)"""
+    scheme = get_authorization_header(request).split(b" ", 1)[0]
+    if not scheme or not request.path.startswith("/api/"):  # /metrics reads Bearer
+        return exc
+    shown = scheme.decode("latin-1")[:20]
+    return NotAuthenticated(
+        f"Unknown authorization scheme {shown!r}: send `Authorization: Token <key>` "
+        "(docs/api.md, Access)."
+    )
 
 
 class NewestFirst(CursorPagination):
@@ -40,6 +58,15 @@ class NewestFirst(CursorPagination):
     max_page_size = 500
     page_size_query_param = "page_size"
     ordering = ("-created_at", "-id")
+
+    def decode_cursor(self, request):
+        # DRF answers an unreadable cursor 404 ("Invalid cursor"); it is bad input, named.
+        try:
+            return super().decode_cursor(request)
+        except NotFound:
+            raise serializers.ValidationError(
+                {"cursor": ["Not a cursor this list gave out: use the `next` or `previous` link."]}
+            ) from None
 
     def paginate_queryset(self, queryset, request, view=None):
         order = getattr(view, "order", None)

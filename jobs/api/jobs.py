@@ -61,6 +61,9 @@ class JobServerFields(serializers.Serializer):
     id = serializers.UUIDField()
     owner = serializers.CharField(source="owner.get_username")
     state = serializers.CharField()
+    # A job read without its last outcome (one just created) has none yet.
+    last_run_state = serializers.CharField(allow_null=True, default=None)
+    last_run_at = serializers.DateTimeField(allow_null=True, default=None)
     version = serializers.IntegerField()
     next_run_at = serializers.DateTimeField(allow_null=True)
     created_at = serializers.DateTimeField()
@@ -73,6 +76,16 @@ class JobOutput(JobSpecSerializer):
     id = serializers.UUIDField(read_only=True)
     owner = serializers.CharField(read_only=True)
     state = serializers.ChoiceField(choices=JobState.values, read_only=True)
+    last_run_state = serializers.ChoiceField(
+        choices=["succeeded", "failed"],
+        allow_null=True,
+        read_only=True,
+        help_text="How the job's latest finished run ended (succeeded or failed); null before "
+        "any. A completed job whose last run failed shows `completed` with `failed` here.",
+    )
+    last_run_at = serializers.DateTimeField(
+        allow_null=True, read_only=True, help_text="When that run finished."
+    )
     version = serializers.IntegerField(read_only=True)
     next_run_at = serializers.DateTimeField(allow_null=True, read_only=True)
     created_at = serializers.DateTimeField(read_only=True)

@@ -16,7 +16,7 @@ from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
 from .. import schedules
-from ..registry import registered_task_names
+from ..registry import registered_task_names, task_arguments_problem
 from ..retry import DEFAULT_RETRY
 
 QUEUE_RE = re.compile(r"^[A-Za-z0-9_.:-]{1,100}$")
@@ -208,6 +208,12 @@ def refuse_read_only(data) -> None:
 FIRST_FIRE_FIELDS = ("schedule", "dst", "start_at", "end_at")
 
 
+# A one-time job's run_at may be at most this far in the past (it then runs at once, within
+# its misfire policy) or in the future.
+RUN_AT_PAST = dt.timedelta(days=1)
+RUN_AT_FUTURE = dt.timedelta(days=3650)
+
+
 class JobSpecSerializer(StrictSerializer):
     """Everything a user may set on a job. Server-managed fields are not here at all."""
 
@@ -303,6 +309,11 @@ class JobSpecSerializer(StrictSerializer):
                 f"The job body is {size} bytes as JSON, the limit is "
                 f"{settings.SCHEDULER_MAX_SPEC_BYTES}."
             )
+        unchanged = self.context.get("unchanged", ())
+        if not {"task", "args", "kwargs"} <= set(unchanged):
+            self._check_arguments(attrs)
+        if "schedule" not in unchanged:
+            self._check_run_at(attrs["schedule"])
         if attrs["start_at"] and attrs["end_at"] and attrs["end_at"] <= attrs["start_at"]:
             raise serializers.ValidationError({"end_at": ["Must be later than start_at."]})
         schedule = attrs["schedule"]
@@ -328,6 +339,33 @@ class JobSpecSerializer(StrictSerializer):
         if "now" in self.context:  # the caller creates the job at that instant: reuse it
             self.context["first_fire"] = first
         return attrs
+
+    @staticmethod
+    def _check_arguments(attrs: dict) -> None:
+        """The handler must accept the args and kwargs (its first parameter, the run's
+        context, aside): a mismatch is refused now, not found as a TypeError at run time."""
+        problem = task_arguments_problem(
+            name=attrs["task"], args=attrs["args"], kwargs=attrs["kwargs"]
+        )
+        if problem:
+            field = "kwargs" if attrs["kwargs"] and "keyword" in problem else "args"
+            raise serializers.ValidationError({field: [problem]})
+
+    def _check_run_at(self, schedule: dict) -> None:
+        """A one-time job's run_at within RUN_AT_PAST .. RUN_AT_FUTURE of now
+        (docs/api.md, "Job body"): 0001-01-01 or 9999-12-31 is a mistake, not a plan."""
+        if schedule["kind"] != "once":
+            return
+        now = self.context.get("now") or timezone.now()
+        run_at = schedules.schedule_run_at(schedule)
+        if run_at < now - RUN_AT_PAST:
+            raise serializers.ValidationError(
+                {"schedule": {"run_at": [f"More than {RUN_AT_PAST.days} day in the past."]}}
+            )
+        if run_at > now + RUN_AT_FUTURE:
+            raise serializers.ValidationError(
+                {"schedule": {"run_at": [f"More than {RUN_AT_FUTURE.days // 365} years ahead."]}}
+            )
 
     def _first_fire(self, attrs: dict) -> dt.datetime | None:
         """The schedule's first fire at the context's `now` (else the clock's); with a
@@ -413,7 +451,9 @@ def job_patched_spec(*, spec: dict, patch) -> dict:
     unknown = sorted(set(patch) - set(JobSpecSerializer().fields))
     if unknown:
         raise serializers.ValidationError({key: ["Unknown field."] for key in unknown})
-    merged = JobSpecSerializer(data={**spec, **patch})
+    # A field the patch leaves alone is not re-judged against today's clock or handler.
+    unchanged = set(spec) - set(patch)
+    merged = JobSpecSerializer(data={**spec, **patch}, context={"unchanged": unchanged})
     merged.is_valid(raise_exception=True)
     return dict(merged.validated_data)
 

@@ -268,6 +268,10 @@ SCHEDULER_TASK_MODULES = env.SCHEDULER_TASK_MODULES
 # Lifetime of a new API token (0: no expiry).
 SCHEDULER_TOKEN_TTL_DAYS = env.SCHEDULER_TOKEN_TTL_DAYS
 SCHEDULER_METRICS_TOKEN = env.SCHEDULER_METRICS_TOKEN
+# Bounds on waiting live tails, so that they never hold every web worker (logs_app.tails).
+SCHEDULER_LOG_FOLLOW_MAX_WAITING = env.SCHEDULER_LOG_FOLLOW_MAX_WAITING
+SCHEDULER_LOG_FOLLOW_MAX_WAITING_PER_USER = env.SCHEDULER_LOG_FOLLOW_MAX_WAITING_PER_USER
+SCHEDULER_LOG_FOLLOW_SLOTS_DIR = env.SCHEDULER_LOG_FOLLOW_SLOTS_DIR
 # Size bound of a job's args, and of its kwargs, each serialized as JSON; and of the whole
 # job body (every PATCH copies it into a new version).
 SCHEDULER_MAX_PAYLOAD_BYTES = 64 * 1024

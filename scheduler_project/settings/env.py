@@ -135,6 +135,14 @@ SCHEDULER_THROTTLE_RATES = dict(
 SCHEDULER_NUM_PROXIES = int(env_str("SCHEDULER_NUM_PROXIES", "0"))
 # Lifetime of a new API token in days (0: tokens never expire).
 SCHEDULER_TOKEN_TTL_DAYS = int(env_str("SCHEDULER_TOKEN_TTL_DAYS", "90"))
+# Live log tails waiting at once (long polls) on this host, and of one user (logs_app.tails).
+SCHEDULER_LOG_FOLLOW_MAX_WAITING = int(env_str("SCHEDULER_LOG_FOLLOW_MAX_WAITING", "2"))
+SCHEDULER_LOG_FOLLOW_MAX_WAITING_PER_USER = int(
+    env_str("SCHEDULER_LOG_FOLLOW_MAX_WAITING_PER_USER", "2")
+)
+SCHEDULER_LOG_FOLLOW_SLOTS_DIR = env_str(
+    "SCHEDULER_LOG_FOLLOW_SLOTS_DIR", str(VAR_DIR / "log-follow")
+)
 # plain: "time level logger message" lines; json: one JSON object per line (for a log
 # shipper), with the record's extra fields (a run's logger adds run_id and attempt).
 SCHEDULER_LOG_FORMAT = env_str("SCHEDULER_LOG_FORMAT", "plain")

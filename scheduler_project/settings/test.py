@@ -69,3 +69,9 @@ REST_FRAMEWORK = {  # noqa: F405
 STORAGES["scheduler_logs"]["OPTIONS"] = {  # noqa: F405
     "location": str(VAR_DIR / f"test-logs-{os.getpid()}")
 }
+
+# The live tails' slots of this test session, shared with the web processes it starts
+# (they inherit the variable), apart from any other session's.
+SCHEDULER_LOG_FOLLOW_SLOTS_DIR = os.environ.setdefault(
+    "SCHEDULER_LOG_FOLLOW_SLOTS_DIR", str(VAR_DIR / f"log-follow-{os.getpid()}")
+)

@@ -1,4 +1,4 @@
-"""Costs that grow with due work only (issue 11): the completer, reconciliation, the
+"""Costs that grow with due work only: the completer, reconciliation, the
 overlap and pause_after_failures checks and the pruner read their rows through partial
 indexes that hold only what they look for, shown by their plans (with sequential scans
 off: on a test's tiny tables the planner would rightly scan, so what is shown is that the

@@ -907,3 +907,30 @@ def test_a_run_claimed_at_its_turn_after_a_failed_success_write_is_delivered_aga
     assert (summary["outcome"], summary["remaining"]) == ("claim_failed", [str(retry.id)])
     assert Run.objects.get(id=retry.id).state == RunState.QUEUED
     assert Run.objects.get(id=fresh.id).state == RunState.SUCCEEDED  # written at the end
+
+
+@pytest.mark.parametrize(("retries", "words"), [(1, "failed\n"), (3, "failed; a retry follows")])
+def test_a_handler_that_raised_is_logged_failed_with_its_redacted_traceback(
+    queued_run, caplog, retries, words
+):
+    run = queued_run(retry={"max_attempts": retries, "initial_delay_seconds": 60})
+
+    def handler(ctx):
+        raise RuntimeError("cannot connect with password=hunter2")
+
+    with caplog.at_level(logging.INFO, logger="dispatch.worker"):
+        run_execute_delivery(run_id=str(run.id), handler=handler, worker="w", message_id="m")
+    [line] = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert line.startswith(f"run {run.id} attempt 1 of tests.record {words}")
+    assert "Traceback (most recent call last)" in line and "RuntimeError" in line
+    assert "hunter2" not in line
+    assert not any("succeeded" in r.getMessage() for r in caplog.records)
+
+
+def test_celery_says_a_job_task_was_handled_not_that_its_run_succeeded():
+    import celery.app.trace
+
+    import scheduler_project.celery  # noqa: F401 - sets the wording
+
+    assert "succeeded" not in celery.app.trace.LOG_SUCCESS
+    assert "handled" in celery.app.trace.LOG_SUCCESS

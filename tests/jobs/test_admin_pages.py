@@ -164,8 +164,9 @@ def test_the_job_page_says_its_schedule_in_words_with_next_fires_and_dst_flags(
     assert "2030-03-09 07:30:00" in page  # 02:30 EST
     assert "2030-03-10 07:00:00" in page  # 03:00 EDT, the end of the gap
     assert page.count("moved to the end of a spring-forward gap") == 1
-    for action in ("pause_jobs", "resume_jobs", "cancel_jobs", "trigger_jobs", "backfill_jobs"):
+    for action in ("pause_jobs", "cancel_jobs", "trigger_jobs", "backfill_jobs"):
         assert f'id="do-{action}"' in page
+    assert 'id="do-resume_jobs"' not in page  # an active job: Pause, not Resume
 
 
 def test_schedule_words_of_each_kind():
@@ -201,7 +202,8 @@ def test_the_run_page_shows_its_stages_with_lags_and_its_attempts_error_and_log(
     assert "RuntimeError: the disk is full" in page
     assert f'href="/admin/logs_app/logmanifest/attempt/{attempt.id}/"' in page
     assert f'href="/admin/jobs/job/{run.job_id}/change/"' in page  # breadcrumb and title
-    assert 'id="do-replay_runs"' in page and 'id="do-cancel_runs"' in page
+    # A failed run: Replay, and no Cancel (nothing to cancel).
+    assert 'id="do-replay_runs"' in page and 'id="do-cancel_runs"' not in page
     # ... and the job's page lists it among its recent runs, linked.
     job_page = client.get(f"/admin/jobs/job/{run.job_id}/change/").content.decode()
     assert f'href="/admin/jobs/run/{run.id}/change/"' in job_page

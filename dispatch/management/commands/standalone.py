@@ -54,6 +54,11 @@ def web_workers() -> int:
     return max(2, min(8, 2 * (os.cpu_count() or 1)))
 
 
+def follow_slots(workers: int | None) -> int:
+    """Live tails that may wait at once: all web workers but two (at least one)."""
+    return max(1, (workers or web_workers()) - 2)
+
+
 def web_argv(*, host: str, port: int, workers: int | None) -> list[str]:
     """The gunicorn command line of the web process."""
     argv = [sys.executable, "-m", "gunicorn", "scheduler_project.wsgi:application",
@@ -136,6 +141,12 @@ class Command(BaseCommand):
             "DJANGO_SETTINGS_MODULE": os.environ["DJANGO_SETTINGS_MODULE"],
             # The admin's CSS and scripts, from the apps' static folders (no collectstatic).
             "SCHEDULER_SERVE_STATIC": "1",
+            # Live tails wait in all but two of the sync web workers: the others always
+            # answer (logs_app.tails).
+            "SCHEDULER_LOG_FOLLOW_MAX_WAITING": os.environ.get(
+                "SCHEDULER_LOG_FOLLOW_MAX_WAITING",
+                str(follow_slots(web_workers)),
+            ),
         }
         django = [sys.executable, "-m", "django"]
         commands = {
