@@ -101,7 +101,8 @@ def site(tmp_path: Path, request):
         )
         try:
             _manage(stack.env, "migrate", "--no-input", "-v", "0")
-            user = "from django.contrib.auth import get_user_model as m; m().objects.create_user('drill')"
+            user = "from django.contrib.auth import get_user_model as u; u()._default_manager"
+            user += ".create_user('drill')"
             _manage(stack.env, "shell", "-c", user)
             token = _manage(stack.env, "drf_create_token", "drill").split()[2]
             stack.start("web", web_argv(host="127.0.0.1", port=WEB_PORT, workers=2),
