@@ -171,9 +171,12 @@ def test_the_rabbitmq_node_leading_the_queue_killed_while_1000_runs_flow(site, r
     wait_for(lambda: _states(site).get("succeeded", 0) == runs, timeout=400, interval=1,
              message=f"every run to succeed ({_states(site)})")  # fmt: skip
     new_leader = site.cluster.leader("jobs", via=survivor)
+    # A worker's first claim of a message published after the kill: what it had taken
+    # from the dead node before does not count.
     workers = _first_after(
-        site.rows("SELECT split_part(worker, '@', 1), min(started_at) FROM jobs_attempt "
-                  "WHERE started_at > to_timestamp(%s) GROUP BY 1", killed_at),
+        site.rows("SELECT split_part(a.worker, '@', 1), min(a.started_at) FROM jobs_attempt a "
+                  "JOIN jobs_run r ON r.id = a.run_id WHERE r.published_at > to_timestamp(%s) "
+                  "GROUP BY 1", killed_at),
         killed_at,
     )  # fmt: skip
     published = _first_after(
@@ -191,7 +194,8 @@ def test_the_rabbitmq_node_leading_the_queue_killed_while_1000_runs_flow(site, r
     rejoined = site.cluster.running(leader)
     report_figure(
         f"RabbitMQ leader {leader.name} killed (new leader {new_leader.name}): first claim "
-        f"after the kill per worker {workers} s, first publication {published} s; "
+        f"of a message published after the kill per worker {workers} s, first publication "
+        f"{published} s; "
         f"{len(executed)} runs executed, max {max(executed.values())} executions, "
         f"{sum(effects.values())} effects; node rejoined "
         f"{time.monotonic() - wait_until_rejoined:.1f} s after its restart"
