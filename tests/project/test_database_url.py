@@ -67,3 +67,16 @@ def test_a_connection_skips_the_host_that_does_not_answer():
             assert cursor.fetchone() == (False, real["NAME"])
     finally:
         handler.close_all()
+
+
+def test_the_processes_of_the_tests_get_the_url_back(monkeypatch):
+    from types import SimpleNamespace
+
+    from tests import processes
+
+    settings_dict = database_url_parse(MULTI)
+    monkeypatch.setattr(processes, "connection", SimpleNamespace(settings_dict=settings_dict))
+    assert database_url_parse(processes.test_database_url())["HOST"] == settings_dict["HOST"]
+    assert processes.test_database_url() == (
+        "postgres://root@127.0.0.1:5441,127.0.0.1:5442/DB?target_session_attrs=read-write"
+    )
