@@ -5,6 +5,7 @@ import os
 import celery.app.trace
 from celery import Celery
 from celery.signals import celeryd_after_setup, worker_ready
+from celery.worker.consumer import Consumer as CeleryConsumer
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "scheduler_project.settings.base")
 
@@ -14,6 +15,23 @@ app = Celery("scheduler_project")
 # the line says what is true: the message was handled, and the run's outcome.
 celery.app.trace.LOG_SUCCESS = "Task %(name)s[%(id)s] handled in %(runtime)ss: %(return_value)s"
 app.config_from_object("django.conf:settings", namespace="CELERY")
+
+DELAYED_DELIVERY_STEP = "celery.worker.consumer.delayed_delivery:DelayedDelivery"
+
+
+class Consumer(CeleryConsumer):
+    """Celery's consumer without its native delayed delivery step (CELERY_WORKER_CONSUMER).
+
+    Celery turns that step on whenever it sees quorum queues: at every (re)connection it
+    declares and binds its delayed-delivery exchanges and queues, retrying against a node
+    that just died for some 18 s before the worker consumes again. The product never asks
+    the broker for a delay (countdowns and retries wait in PostgreSQL), so the step buys
+    nothing, and without it a worker consumes again as soon as it reaches another node."""
+
+    class Blueprint(CeleryConsumer.Blueprint):
+        default_steps = [
+            step for step in CeleryConsumer.Blueprint.default_steps if step != DELAYED_DELIVERY_STEP
+        ]
 
 
 @celeryd_after_setup.connect

@@ -27,8 +27,16 @@ def test_database_url() -> str:
     user = db.get("USER") or ""
     password = f":{db['PASSWORD']}" if db.get("PASSWORD") else ""
     auth = f"{user}{password}@" if user else ""
-    host = quote(db.get("HOST") or "127.0.0.1", safe="")  # a Unix socket's folder: %2F...
-    return f"postgres://{auth}{host}:{db.get('PORT') or 5432}/{db['NAME']}"
+    # Several hosts (libpq's lists, settings.database_url) go back into the netloc as pairs.
+    hosts = str(db.get("HOST") or "127.0.0.1").split(",")
+    ports = str(db.get("PORT") or 5432).split(",")
+    netloc = ",".join(
+        f"{quote(host, safe='')}:{port}"  # a Unix socket's folder: %2F...
+        for host, port in zip(hosts, ports * len(hosts) if len(ports) == 1 else ports, strict=True)
+    )
+    options = db.get("OPTIONS", {}).get("target_session_attrs")
+    query = f"?target_session_attrs={options}" if options else ""
+    return f"postgres://{auth}{netloc}/{db['NAME']}{query}"
 
 
 def purge_queue(name: str = "jobs") -> None:

@@ -6,12 +6,11 @@ import secrets
 from pathlib import Path
 from urllib.parse import quote
 
-import dj_database_url
-
 from scheduler_project import embedded
 from scheduler_project.embedded import EmbeddedPostgres
 
 from . import env
+from .database_url import database_url_parse
 from .integrations import *  # noqa: F403
 from .integrations import init_sentry
 
@@ -135,7 +134,7 @@ def embedded_database(data_dir: Path) -> dict:
 
 
 def _database(url: str, **overrides) -> dict:
-    config = dj_database_url.parse(url, conn_max_age=60, conn_health_checks=True) | overrides
+    config = database_url_parse(url, conn_max_age=60, conn_health_checks=True) | overrides
     if config["ENGINE"].startswith(("django.db.backends.postgresql", "scheduler_project")):
         config["OPTIONS"] = {
             # A peer that vanished (a partitioned or frozen worker) is found within about

@@ -36,6 +36,10 @@ SCHEDULER_QUEUE_HIGH_WATER = env.SCHEDULER_QUEUE_HIGH_WATER
 SCHEDULER_OWNER_MAX_ACTIVE_RUNS = env.SCHEDULER_OWNER_MAX_ACTIVE_RUNS
 CELERY_TASK_CREATE_MISSING_QUEUES = True
 CELERY_TASK_CREATE_MISSING_QUEUE_TYPE = SCHEDULER_QUEUE_TYPE
+# Celery's consumer without its native delayed delivery (broker-side countdowns on quorum
+# queues): the product's delays wait in PostgreSQL, and that step's set-up against a dead
+# node held a worker's consumption for about 18 s after a cluster node was lost.
+CELERY_WORKER_CONSUMER = "scheduler_project.celery:Consumer"
 
 # Early acknowledgement: a delivery is acked when a pool process takes it, and from then on
 # the attempt's lease in PostgreSQL owns recovery (reaper), as does reconciliation for the

@@ -7,7 +7,9 @@ answer; under CI=true neither stands in: a missing service fails the run."""
 
 import os
 import socket
-from urllib.parse import unquote, urlsplit
+from urllib.parse import urlsplit
+
+from .database_url import database_hosts_split
 
 DEFAULT_DATABASE_URL = "postgres://postgres@127.0.0.1:5432/test"
 DEFAULT_BROKER_HOST = "127.0.0.1"
@@ -15,11 +17,23 @@ CI = os.environ.get("CI", "").strip().lower() in {"1", "true", "yes"}
 
 
 def answers(url: str, default_port: int) -> bool:
-    """Whether something accepts connections where `url` points (TCP, or a Unix socket's
-    folder as PostgreSQL names it)."""
-    parts = urlsplit(url)
-    host = unquote(parts.netloc.rsplit("@", 1)[-1].rsplit(":", 1)[0]) or "127.0.0.1"
-    port = parts.port or default_port
+    """Whether something accepts connections at any place `url` points to (TCP, or a Unix
+    socket's folder as PostgreSQL names it): libpq's several hosts (`h1:p1,h2:p2`) and
+    kombu's several URLs (`amqp://a;amqp://b`) alike."""
+    return any(
+        _accepts(host, port)
+        for one in url.split(";")
+        for host, port in url_hosts(one, default_port)
+    )
+
+
+def url_hosts(url: str, default_port: int) -> list[tuple[str, int]]:
+    hosts = urlsplit(url).netloc.rsplit("@", 1)[-1]
+    return [(host or "127.0.0.1", port or default_port)
+            for host, port in database_hosts_split(hosts)]  # fmt: skip
+
+
+def _accepts(host: str, port: int) -> bool:
     family, address = (
         (socket.AF_UNIX, f"{host}/.s.PGSQL.{port}")
         if host.startswith("/")

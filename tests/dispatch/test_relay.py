@@ -90,6 +90,23 @@ def test_relay_publishes_celery_task_messages_and_deletes_rows_after_the_confirm
     assert {m["headers"]["id"] for m in messages} == message_ids
 
 
+def test_a_relay_given_several_broker_urls_publishes_through_one_that_answers(pending_runs):
+    # kombu's failover list (CELERY_BROKER_URL "amqp://a;amqp://b"): the first node is
+    # down; the relay connects to the next, and after an outage (reset) it does again.
+    pending_runs(2)
+    dead = settings.CELERY_BROKER_URL.replace(":5672/", ":1/")
+    publisher = ConfirmingPublisher(f"{dead};{settings.CELERY_BROKER_URL}", {"connect_timeout": 2})
+    try:
+        result = relay_run_once(now=NOW, config=RelayConfig(batch_size=1), publisher=publisher)
+        assert result.published == 1
+        publisher.reset()
+        assert relay_run_once(now=NOW, config=RelayConfig(), publisher=publisher).published == 1
+    finally:
+        publisher.close()
+    assert not OutboxMessage.objects.exists()
+    assert len(_drain_queue()) == 2
+
+
 def test_the_relays_encoded_frames_are_the_messages_kombu_sends():
     """The AMQP fast path (a template per task, ids substituted) against kombu's Producer."""
     purge_queue()

@@ -43,3 +43,13 @@ def test_without_ci_the_missing_services_are_stood_in_for():
     assert done.returncode == 0
     assert "The tests run on the embedded PostgreSQL instead" in done.stderr
     assert "The tests that need RabbitMQ are reported skipped." in done.stderr
+
+
+def test_several_hosts_pass_when_one_answers():
+    # libpq's several hosts and kombu's several URLs: the first here never answers.
+    done = check(
+        DATABASE_URL="postgresql://postgres@127.0.0.1:1,127.0.0.1:5432/test"
+        "?target_session_attrs=read-write",
+        CELERY_BROKER_URL="amqp://guest:guest@127.0.0.1:1//;amqp://guest:guest@127.0.0.1:5672//",
+    )
+    assert (done.returncode, done.stderr) == (0, "")
