@@ -148,6 +148,7 @@ class WebhookDetailApi(APIView):
         webhook = webhook_update(webhook=webhook, fields=given.validated_data)
         return Response(WebhookOutput(webhook).data)
 
+    @extend_schema(responses={204: None})
     def delete(self, request, webhook_id):
         webhook_delete(webhook=_visible(request, webhook_id))
         return Response(status=status.HTTP_204_NO_CONTENT)
