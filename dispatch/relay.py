@@ -51,6 +51,7 @@ from .broker import (
 from .config import config_require
 from .failpoints import failpoint
 from .loop import BROKER_ERRORS
+from .queues import QueueRoom
 from .shares import MAX_QUEUES, OwnerTurns, allowances, claim_shares
 
 log = logging.getLogger("dispatch.relay")
@@ -116,16 +117,25 @@ def relay_run_once(
     published_at = published_at_text(now)
     published = undeliverable = held_back = 0
     batch_full = False
+    controls = QueueRoom()
     for queue in outbox_pending_queues(limit=MAX_QUEUES):
-        room = _room(queue, config=config, publisher=publisher)
+        room = min(controls.room(queue), _room(queue, config=config, publisher=publisher))
         if room <= 0:
             held_back += 1
             continue
-        limit = min(room, config.batch_size)
-        sent, refused, owners_held = _relay_queue(
-            queue, limit=limit, now=now, published_at=published_at, config=config,
-            publisher=publisher, turns=turns,
-        )  # fmt: skip
+        limit = controls.take(queue, min(room, config.batch_size))
+        if limit <= 0:
+            held_back += 1
+            continue
+        try:
+            sent, refused, owners_held = _relay_queue(
+                queue, limit=limit, now=now, published_at=published_at, config=config,
+                publisher=publisher, turns=turns,
+            )  # fmt: skip
+        except BaseException:
+            controls.give_back(queue, limit)
+            raise
+        controls.give_back(queue, limit - sent)
         published += sent
         undeliverable += refused
         if sent >= limit:

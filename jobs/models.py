@@ -453,6 +453,36 @@ class OwnerLimit(models.Model):
         return f"limit of {self.owner_id}: {self.max_active_runs}"
 
 
+class QueueControl(models.Model):
+    """An operator's control of one configured queue (and its lanes, jobs.lanes): paused or
+    not, at most `max_running` of its runs running at once and at most `rate_per_second`
+    publications a second, across the whole fleet. A queue without a row is free. The
+    rate's token bucket lives here (`tokens` at `tokens_at`), taken by every relay in one
+    conditional UPDATE (storage.queues): the one store every relay and worker already
+    shares, so the limit needs no new component and survives any process."""
+
+    name = models.CharField(max_length=100, primary_key=True)
+    paused = models.BooleanField(default=False)
+    paused_reason = models.CharField(max_length=500, blank=True, default="")
+    # The pause ends by itself at this instant (None: until resumed).
+    paused_until = models.DateTimeField(null=True, blank=True)
+    paused_at = models.DateTimeField(null=True, blank=True)
+    paused_by = models.CharField(max_length=200, blank=True, default="")
+    max_running = models.PositiveIntegerField(
+        null=True, blank=True, validators=[MinValueValidator(1)]
+    )
+    # As given ("100/s", "6000/min"); "" none. rate_per_second is what the bucket uses.
+    rate_limit = models.CharField(max_length=40, blank=True, default="")
+    rate_per_second = models.FloatField(null=True, blank=True)
+    burst = models.FloatField(null=True, blank=True)
+    tokens = models.FloatField(default=0)
+    tokens_at = models.DateTimeField(null=True, blank=True)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    def __str__(self) -> str:
+        return f"queue {self.name}{' (paused)' if self.paused else ''}"
+
+
 # The states in which a run's ActiveRun row counts against its owner's limit.
 OWNER_LIMIT_STATES = (RunState.QUEUED, RunState.RUNNING)
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+from django.conf import settings
 from django.contrib.auth import get_user_model
 from django.urls import URLPattern, URLResolver, get_resolver
 from rest_framework.test import APIClient
@@ -57,6 +58,10 @@ ROUTES = {
     "api/v1/runs/<uuid:run_id>/cancel/": Row(("POST",), "tenant"),
     "api/v1/runs/<uuid:run_id>/replay/": Row(("POST",), "tenant"),
     "api/v1/runs/<uuid:run_id>/logs/": Row(("GET",), "tenant"),
+    "api/v1/queues/": Row(("GET",), "operator"),
+    "api/v1/queues/<str:name>/": Row(("GET", "PATCH"), "operator"),
+    "api/v1/queues/<str:name>/pause/": Row(("POST",), "operator"),
+    "api/v1/queues/<str:name>/resume/": Row(("POST",), "operator"),
     "api/schema/": Row(("GET",), "authenticated"),
     "api/docs/": Row(("GET",), "authenticated"),
     "healthz": Row(("GET",), "probe"),
@@ -149,7 +154,7 @@ def test_permission_matrix(route, method, principal, whose):
     run = _run_of(me if whose == OWN else other)
     url = "/" + route.replace("<uuid:job_id>", str(run.job_id)).replace(
         "<uuid:run_id>", str(run.id)
-    ).replace("<path:rest>", "outboxmessage/")
+    ).replace("<path:rest>", "outboxmessage/").replace("<str:name>", settings.SCHEDULER_QUEUES[0])
     client = APIClient()
     if principal != ANONYMOUS:
         client.credentials(HTTP_AUTHORIZATION=f"Token {factories.token_for(me)}")

@@ -9,7 +9,7 @@ import uuid
 from collections.abc import Callable
 
 from celery.exceptions import SoftTimeLimitExceeded
-from django.db import InterfaceError, OperationalError
+from django.db import InterfaceError, OperationalError, transaction
 
 from jobs.models import Attempt, AttemptState, Run, RunState
 from jobs.services import run_record_duplicate_delivery
@@ -17,6 +17,7 @@ from jobs.transitions import run_claim
 from logs_app.capture import LogCapture
 from logs_app.store import logs_prepare
 
+from ..queues import queue_holds_run
 from .context import RunContext
 from .keeper import LEASE_KEEPER, Lease
 from .limits import soft_time_limit
@@ -33,11 +34,17 @@ from .recording import (
 log = logging.getLogger("dispatch.worker")
 
 
+# What a claim answers for a run its queue holds back (paused, or at its cap).
+HANDED_BACK = "handed_back"
+
+
 def _claim(
     *, run_id: str, worker: str, published_at: dt.datetime | None, task_id: str
-) -> Attempt | None:
-    """Claim the delivered run (one statement), retrying through a database outage for a
-    bounded time. None: not claimable (a duplicate delivery, a cancelled or unknown run).
+) -> Attempt | str | None:
+    """Claim the delivered run (one statement, after its queue's gate: dispatch.queues),
+    retrying through a database outage for a bounded time. None: not claimable (a duplicate
+    delivery, a cancelled or unknown run); HANDED_BACK: its queue is paused or at its cap,
+    and the run waits in PostgreSQL again, no attempt charged.
 
     A retry after an ambiguous commit adopts the attempt the first try may have made."""
 
@@ -48,11 +55,14 @@ def _claim(
             .first()
         )
 
-    def claim(claim_id: uuid.UUID) -> Attempt | None:
-        return run_claim(
-            run_id=run_id, worker=worker, claim_id=claim_id, published_at=published_at,
-            task_id=task_id,
-        )  # fmt: skip
+    def claim(claim_id: uuid.UUID) -> Attempt | str | None:
+        with transaction.atomic():
+            if queue_holds_run(run_id=run_id):
+                return HANDED_BACK
+            return run_claim(
+                run_id=run_id, worker=worker, claim_id=claim_id, published_at=published_at,
+                task_id=task_id,
+            )  # fmt: skip
 
     return adopting(claim, adopt)
 
@@ -106,6 +116,9 @@ def run_execute_delivery(
         return {"run_id": run_id, "outcome": "claim_failed"}
     if attempt is None:
         return _refused(run_id=run_id, worker=worker, message_id=message_id)
+    if attempt == HANDED_BACK:
+        log.info("run %s handed back: its queue is paused or at its cap", run_id)
+        return {"run_id": run_id, "outcome": HANDED_BACK}
     lease = LEASE_KEEPER.hold(attempt, attempt.run.job_version.spec["heartbeat_timeout_seconds"])
     try:
         return attempt_execute(
