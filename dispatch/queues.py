@@ -7,7 +7,11 @@ a run of a paused queue, or of one at its cap, is handed back (jobs.queues.run_h
 
 At a relay step: a paused queue (its lanes too) is passed over; a capped queue publishes
 no more than its cap leaves (runs running, or published and not yet claimed); a
-rate-limited one no more than the tokens it takes from its bucket (unused ones go back).
+rate-limited one at most two bursts in the broker.
+A rate is kept at the claim: each start takes a token from the bucket in the queue's row,
+in the claim's transaction; a worker without a token waits until one is due (the bucket
+says when) and tries again, so starts never pass the rate plus one burst, across every
+worker; the relays keep at most two bursts of the queue in the broker meanwhile.
 The controls are read once per step, so a pause reaches every relay within its poll
 interval (at most a second); the workers' gate reads it at every claim.
 """
@@ -25,30 +29,40 @@ from jobs.queues import run_hand_back
 from storage.queues import (
     QueueHold,
     queue_running_count,
-    queue_tokens_return,
-    queue_tokens_take,
+    queue_token_take,
     queues_held,
     run_gate_lock,
 )
 
 
-def queue_holds_run(*, run_id: str) -> bool:
-    """In the claim's transaction: whether the run's queue holds it back (paused, or at
-    its cap), in which case it was handed back to wait in PostgreSQL. The queue row stays
+def queue_holds_run(*, run_id: str) -> float | bool:
+    """In the claim's transaction, before the claim: True when the run's queue holds it
+    back (paused, or at its cap), and it was handed back to wait in PostgreSQL; for a
+    rate-limited queue without a token now, the seconds until one (nothing done: the
+    caller waits and tries again); False: claim it (its token taken). The queue row stays
     locked until the claim's transaction ends."""
     gate = run_gate_lock(run_id=run_id)
     if gate is None:
         return False
     full = gate.max_running is not None and (
-        queue_running_count(queue=gate.queue, in_broker=False) >= gate.max_running
+        queue_running_count(queue=gate.queue) >= gate.max_running
     )
-    if not (gate.paused or full):
-        return False
-    if run_hand_back(run_id=run_id, now=db_now()):
-        counter_increment("scheduler_runs_handed_back_total",
-                          labels={"queue": gate.queue, "reason": "paused" if gate.paused
-                                  else "max_running"})  # fmt: skip
-    return True
+    if gate.paused or full:
+        if run_hand_back(run_id=run_id, now=db_now()):
+            reason = "paused" if gate.paused else "max_running"
+            counter_increment("scheduler_runs_handed_back_total",
+                              labels={"queue": gate.queue, "reason": reason})  # fmt: skip
+        return True
+    if gate.rate_limited:
+        wait = queue_token_take(queue=gate.queue)
+        return wait if wait > 0 else False
+    return False
+
+
+def queue_hand_back(*, run_id: str) -> bool:
+    """Hand the delivered run back to wait in PostgreSQL (its own transaction)."""
+    with transaction.atomic():
+        return run_hand_back(run_id=run_id, now=db_now())
 
 
 def queue_of_lane(name: str) -> str:
@@ -73,21 +87,13 @@ class QueueRoom:
             return math.inf
         if hold.paused:
             return 0
+        room = math.inf
         if hold.max_running is not None:
             active = queue_running_count(queue=hold.name, in_broker=True)
-            return max(0, hold.max_running - active)
-        return math.inf
-
-    def take(self, name: str, wanted: int) -> int:
-        """Tokens for up to `wanted` publications of the queue (all of them without a
-        rate), in a short transaction of their own."""
-        hold = self.held.get(queue_of_lane(name))
-        if hold is None or not hold.rate_limited or wanted <= 0:
-            return wanted
-        with transaction.atomic():
-            return queue_tokens_take(queue=hold.name, wanted=wanted)
-
-    def give_back(self, name: str, count: int) -> None:
-        hold = self.held.get(queue_of_lane(name))
-        if hold is not None and hold.rate_limited and count > 0:
-            queue_tokens_return(queue=hold.name, count=count)
+            room = max(0, hold.max_running - active)
+        if hold.burst is not None:
+            # A rate is kept at the claim (its token); the broker holds at most two bursts
+            # of the queue meanwhile, so a resume or a new rate finds little to hand back.
+            published = queue_running_count(queue=hold.name, running=False, in_broker=True)
+            room = min(room, max(0, math.ceil(2 * hold.burst) - published))
+        return room

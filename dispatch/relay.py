@@ -123,19 +123,11 @@ def relay_run_once(
         if room <= 0:
             held_back += 1
             continue
-        limit = controls.take(queue, min(room, config.batch_size))
-        if limit <= 0:
-            held_back += 1
-            continue
-        try:
-            sent, refused, owners_held = _relay_queue(
-                queue, limit=limit, now=now, published_at=published_at, config=config,
-                publisher=publisher, turns=turns,
-            )  # fmt: skip
-        except BaseException:
-            controls.give_back(queue, limit)
-            raise
-        controls.give_back(queue, limit - sent)
+        limit = min(room, config.batch_size)
+        sent, refused, owners_held = _relay_queue(
+            queue, limit=limit, now=now, published_at=published_at, config=config,
+            publisher=publisher, turns=turns,
+        )  # fmt: skip
         published += sent
         undeliverable += refused
         if sent >= limit:

@@ -13,7 +13,7 @@ import uuid
 from typing import NamedTuple
 
 from .outbox import OUTBOX_TABLE, PENDING
-from .sql import execute, fetch_all, fetch_one, fetch_value
+from .sql import fetch_all, fetch_one, fetch_value
 
 QUEUE_TABLE = "jobs_queuecontrol"
 RUN_TABLE = "jobs_run"
@@ -29,7 +29,7 @@ class QueueHold(NamedTuple):
     name: str
     paused: bool
     max_running: int | None
-    rate_limited: bool
+    burst: float | None  # the rate's burst; None without a rate
 
 
 def queues_held() -> dict[str, QueueHold]:
@@ -37,7 +37,8 @@ def queues_held() -> dict[str, QueueHold]:
     no lock."""
     rows = fetch_all(
         f"""
-        SELECT q.name, {PAUSED_IN_FORCE}, q.max_running, q.rate_per_second IS NOT NULL
+        SELECT q.name, {PAUSED_IN_FORCE}, q.max_running,
+               CASE WHEN q.rate_per_second IS NOT NULL THEN q.burst END
           FROM {QUEUE_TABLE} AS q
          WHERE {PAUSED_IN_FORCE} OR q.max_running IS NOT NULL OR q.rate_per_second IS NOT NULL
         """
@@ -45,11 +46,11 @@ def queues_held() -> dict[str, QueueHold]:
     return {row[0]: QueueHold(*row) for row in rows}
 
 
-def queue_running_count(*, queue: str, in_broker: bool) -> int:
-    """The queue's runs (its lanes' too) that are `running`, and with `in_broker` those
-    `queued` with no pending outbox row as well (published: in the broker or a worker's
-    prefetch). No lock; the caller's snapshot."""
-    states = ["running", "queued"] if in_broker else ["running"]
+def queue_running_count(*, queue: str, running: bool = True, in_broker: bool = False) -> int:
+    """The queue's runs (its lanes' too) that are `running` (with `running`), and those
+    `queued` with no pending outbox row (with `in_broker`: published, in the broker or a
+    worker's prefetch). No lock; the caller's snapshot."""
+    states = (["running"] if running else []) + (["queued"] if in_broker else [])
     return fetch_value(
         f"""
         SELECT count(*) FROM {RUN_TABLE} AS r JOIN {VERSION_TABLE} AS v ON v.id = r.job_version_id
@@ -67,18 +68,19 @@ class RunGate(NamedTuple):
     queue: str
     paused: bool
     max_running: int | None
+    rate_limited: bool
 
 
 def run_gate_lock(*, run_id: uuid.UUID | str) -> RunGate | None:
     """The control of the run's queue, None when it has none; its row stays locked until
     the caller's transaction ends: FOR SHARE (a pause, which updates the row, waits for the
-    claims in flight and every later claim reads it), FOR UPDATE when the queue has a cap
-    (claims of a capped queue are serialized, so the count the caller makes next, a new
+    claims in flight and every later claim reads it), FOR UPDATE when the queue has a cap or a
+    rate (claims of such a queue are serialized, so the count the caller makes next, a new
     statement with a new snapshot, sees every claim committed before). Two statements in
     the caller's transaction."""
     row = fetch_one(
         f"""
-        SELECT q.name, q.max_running IS NOT NULL
+        SELECT q.name, q.max_running IS NOT NULL OR q.rate_per_second IS NOT NULL
           FROM {RUN_TABLE} AS r JOIN {VERSION_TABLE} AS v ON v.id = r.job_version_id
           JOIN {QUEUE_TABLE} AS q ON q.name = v.spec->>'queue'
          WHERE r.id = %(run_id)s
@@ -89,7 +91,8 @@ def run_gate_lock(*, run_id: uuid.UUID | str) -> RunGate | None:
         return None
     mode = "UPDATE" if row[1] else "SHARE"
     row = fetch_one(
-        f"SELECT q.name, {PAUSED_IN_FORCE}, q.max_running FROM {QUEUE_TABLE} AS q"
+        f"SELECT q.name, {PAUSED_IN_FORCE}, q.max_running, q.rate_per_second IS NOT NULL"
+        f" FROM {QUEUE_TABLE} AS q"
         f" WHERE q.name = %s FOR {mode}",
         [row[0]],
     )
@@ -97,13 +100,15 @@ def run_gate_lock(*, run_id: uuid.UUID | str) -> RunGate | None:
 
 
 def runs_of_held_queues(*, run_ids: list[str]) -> list[str]:
-    """Those of the runs whose queue is paused now or capped (their claims go one by one,
+    """Those of the runs whose queue is paused now, capped or rate-limited (their claims go
+    one by one,
     through the gate). No lock."""
     rows = fetch_all(
         f"""
         SELECT r.id::text FROM {RUN_TABLE} AS r JOIN {VERSION_TABLE} AS v ON v.id = r.job_version_id
           JOIN {QUEUE_TABLE} AS q ON q.name = v.spec->>'queue'
-         WHERE r.id = ANY(%(ids)s::uuid[]) AND ({PAUSED_IN_FORCE} OR q.max_running IS NOT NULL)
+         WHERE r.id = ANY(%(ids)s::uuid[])
+           AND ({PAUSED_IN_FORCE} OR q.max_running IS NOT NULL OR q.rate_per_second IS NOT NULL)
         """,
         {"ids": run_ids},
     )
@@ -120,15 +125,17 @@ def run_has_pending_message(*, run_id: uuid.UUID | str) -> bool:
     )
 
 
-def queue_tokens_take(*, queue: str, wanted: int) -> int:
-    """Take up to `wanted` whole tokens from the queue's bucket, refilled first at its rate
-    since it was last taken from (on the database's clock), never above its burst: one
-    conditional UPDATE, atomic across every relay (a concurrent taker waits for the row and
-    reads what this one left). How many were taken; `wanted` when the queue has no rate."""
+def queue_token_take(*, queue: str) -> float:
+    """Take one token from the queue's bucket, refilled first at its rate since it was last
+    taken from (on the database's clock), never above its burst. 0.0: taken; otherwise the
+    seconds until a token is there (nothing taken). One conditional UPDATE that locks the
+    queue row until the caller's transaction ends (the claim's: a start and its token
+    commit together), so every worker draws from one bucket."""
     row = fetch_one(
         f"""
         WITH bucket AS (
-            SELECT q.name, LEAST(q.burst, q.tokens + q.rate_per_second * GREATEST(0,
+            SELECT q.name, q.rate_per_second AS rate,
+                   LEAST(q.burst, q.tokens + q.rate_per_second * GREATEST(0,
                        extract(epoch FROM clock_timestamp() - COALESCE(q.tokens_at,
                        clock_timestamp())))) AS available
               FROM {QUEUE_TABLE} AS q
@@ -136,25 +143,15 @@ def queue_tokens_take(*, queue: str, wanted: int) -> int:
                FOR UPDATE
         )
         UPDATE {QUEUE_TABLE} AS q
-           SET tokens = bucket.available - LEAST(%(wanted)s, floor(bucket.available)),
+           SET tokens = bucket.available - CASE WHEN bucket.available >= 1 THEN 1 ELSE 0 END,
                tokens_at = clock_timestamp()
           FROM bucket WHERE q.name = bucket.name
-     RETURNING LEAST(%(wanted)s, floor(bucket.available))::int
+     RETURNING CASE WHEN bucket.available >= 1 THEN 0.0
+                    ELSE (1 - bucket.available) / bucket.rate END
         """,
-        {"queue": queue, "wanted": wanted},
+        {"queue": queue},
     )
-    return wanted if row is None else row[0]
-
-
-def queue_tokens_return(*, queue: str, count: int) -> int:
-    """Give back tokens taken and not used (never above the burst). One UPDATE."""
-    if count <= 0:
-        return 0
-    return execute(
-        f"UPDATE {QUEUE_TABLE} SET tokens = LEAST(burst, tokens + %s)"
-        " WHERE name = %s AND rate_per_second IS NOT NULL",
-        [count, queue],
-    )
+    return 0.0 if row is None else float(row[0])
 
 
 class QueueFigures(NamedTuple):

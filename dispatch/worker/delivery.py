@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import datetime as dt
 import logging
+import time
 import uuid
 from collections.abc import Callable
 
@@ -17,7 +18,7 @@ from jobs.transitions import run_claim
 from logs_app.capture import LogCapture
 from logs_app.store import logs_prepare
 
-from ..queues import queue_holds_run
+from ..queues import queue_hand_back, queue_holds_run
 from .context import RunContext
 from .keeper import LEASE_KEEPER, Lease
 from .limits import soft_time_limit
@@ -36,6 +37,9 @@ log = logging.getLogger("dispatch.worker")
 
 # What a claim answers for a run its queue holds back (paused, or at its cap).
 HANDED_BACK = "handed_back"
+# The longest a delivered run of a rate-limited queue waits for its token before it is
+# handed back (the relays keep two bursts of the queue in the broker: seconds, usually).
+RATE_WAIT_SECONDS = 60.0
 
 
 def _claim(
@@ -44,7 +48,8 @@ def _claim(
     """Claim the delivered run (one statement, after its queue's gate: dispatch.queues),
     retrying through a database outage for a bounded time. None: not claimable (a duplicate
     delivery, a cancelled or unknown run); HANDED_BACK: its queue is paused or at its cap,
-    and the run waits in PostgreSQL again, no attempt charged.
+    and the run waits in PostgreSQL again, no attempt charged. A run of a rate-limited
+    queue waits here for its token (up to RATE_WAIT_SECONDS, then it is handed back).
 
     A retry after an ambiguous commit adopts the attempt the first try may have made."""
 
@@ -55,16 +60,27 @@ def _claim(
             .first()
         )
 
-    def claim(claim_id: uuid.UUID) -> Attempt | str | None:
+    def claim(claim_id: uuid.UUID) -> Attempt | str | float | None:
         with transaction.atomic():
-            if queue_holds_run(run_id=run_id):
+            held = queue_holds_run(run_id=run_id)
+            if held is True:
                 return HANDED_BACK
+            if held:
+                return held  # the seconds until its queue's next token
             return run_claim(
                 run_id=run_id, worker=worker, claim_id=claim_id, published_at=published_at,
                 task_id=task_id,
             )  # fmt: skip
 
-    return adopting(claim, adopt)
+    deadline = time.monotonic() + RATE_WAIT_SECONDS
+    while True:
+        claimed = adopting(claim, adopt)
+        if not isinstance(claimed, float):
+            return claimed
+        if time.monotonic() + claimed > deadline:
+            queue_hand_back(run_id=run_id)
+            return HANDED_BACK
+        time.sleep(claimed)
 
 
 def published_at_of(value: str | None) -> dt.datetime | None:

@@ -11,7 +11,7 @@ from django.db import transaction
 from dispatch.queues import QueueRoom, queue_holds_run, queue_of_lane
 from jobs.models import AuditEvent, OutboxMessage, QueueControl, RunState
 from jobs.queues import RateLimitInvalid, rate_limit_parse
-from storage.queues import queue_tokens_take
+from storage.queues import queue_token_take
 from tests.factories import claim
 
 pytestmark = pytest.mark.django_db
@@ -109,9 +109,12 @@ def test_a_paused_queue_has_no_room_at_the_relay():
     assert QueueRoom().room("other") == float("inf")
 
 
-def test_the_bucket_gives_one_burst_then_its_rate():
-    QueueControl.objects.create(name="jobs", rate_limit="20/s", rate_per_second=20.0,
-                                burst=20.0, tokens=20.0)  # fmt: skip
-    assert queue_tokens_take(queue="jobs", wanted=100) == 20
-    assert queue_tokens_take(queue="jobs", wanted=100) <= 1
-    assert queue_tokens_take(queue="other", wanted=7) == 7  # no rate: all of them
+def test_the_bucket_gives_one_burst_then_says_when_the_next_token_is_due():
+    QueueControl.objects.create(name="jobs", rate_limit="2/s", rate_per_second=2.0,
+                                burst=2.0, tokens=2.0)  # fmt: skip
+    with transaction.atomic():
+        assert queue_token_take(queue="jobs") == 0.0
+        assert queue_token_take(queue="jobs") == 0.0
+        wait = queue_token_take(queue="jobs")
+    assert 0.3 < wait <= 0.5
+    assert queue_token_take(queue="other") == 0.0  # no rate: never waits
