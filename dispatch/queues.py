@@ -51,7 +51,7 @@ def queue_holds_run(*, run_id: str) -> float | bool:
         if run_hand_back(run_id=run_id, now=db_now()):
             reason = "paused" if gate.paused else "max_running"
             counter_increment("scheduler_runs_handed_back_total",
-                              labels={"queue": gate.queue, "reason": reason})  # fmt: skip
+                              labels=f'queue="{gate.queue}",reason="{reason}"')  # fmt: skip
         return True
     if gate.rate_limited:
         wait = queue_token_take(queue=gate.queue)

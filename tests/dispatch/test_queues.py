@@ -118,3 +118,22 @@ def test_the_bucket_gives_one_burst_then_says_when_the_next_token_is_due():
         wait = queue_token_take(queue="jobs")
     assert 0.3 < wait <= 0.5
     assert queue_token_take(queue="other") == 0.0  # no rate: never waits
+
+
+def test_the_admin_pauses_and_resumes_queues_and_metrics_show_it(client, operator):
+    operator.is_staff = True
+    operator.save()
+    client.force_login(operator)
+    page = client.get("/admin/jobs/queuecontrol/")
+    assert page.status_code == 200 and b"jobs" in page.content
+    answer = client.post("/admin/jobs/queuecontrol/", {"action": "pause_queues",
+                         "_selected_action": ["jobs"]})  # fmt: skip
+    assert answer.status_code == 302
+    assert QueueControl.objects.get(name="jobs").paused
+    metrics = client.get("/metrics").content.decode()
+    assert 'scheduler_queue_paused{queue="jobs"} 1.0' in metrics
+    assert b"paused" in client.get("/dashboard/panel/").content
+    client.post("/admin/jobs/queuecontrol/", {"action": "resume_queues",
+                "_selected_action": ["jobs"]})  # fmt: skip
+    assert not QueueControl.objects.get(name="jobs").paused
+    assert 'scheduler_queue_paused{queue="jobs"} 0.0' in client.get("/metrics").content.decode()
