@@ -483,6 +483,56 @@ class QueueControl(models.Model):
         return f"queue {self.name}{' (paused)' if self.paused else ''}"
 
 
+class BulkOperation(models.Model):
+    """An action on every run or job that matched a filter when it was asked for
+    (`POST /api/v1/runs/bulk/<action>/`, `/jobs/bulk/<action>/`): its targets are written
+    as items at creation (the filter frozen: rows that arrive later are not among them)
+    and done in bounded batches by the relays (jobs.operations), each through the single
+    action's service with the owner as the actor; `running` until no item is left."""
+
+    class State(models.TextChoices):
+        RUNNING = "running"  # the relays' operations step works its items
+        DONE = "done"  # terminal: every item done or refused
+
+    id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
+    owner = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="+")
+    action = models.CharField(max_length=40)  # runs.cancel, runs.replay, jobs.pause, ...
+    filter = models.JSONField(default=dict)
+    state = models.CharField(max_length=20, choices=State.choices, default=State.RUNNING)
+    matched = models.PositiveIntegerField(default=0)
+    done = models.PositiveIntegerField(default=0)
+    refused = models.JSONField(default=dict)  # reason -> count
+    created_at = models.DateTimeField(default=timezone.now)
+    finished_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        indexes = [
+            models.Index(fields=["created_at"], name="bulk_operation_running_idx",
+                         condition=Q(state="running")),
+        ]  # fmt: skip
+
+    def __str__(self) -> str:
+        return f"{self.action} ({self.state}, {self.done}/{self.matched})"
+
+
+class BulkOperationItem(models.Model):
+    """One target of a bulk operation (a run's or a job's id); `outcome` empty while to do,
+    then "done" or the reason it was refused, written in the transaction of its action."""
+
+    operation = models.ForeignKey(BulkOperation, on_delete=models.CASCADE, related_name="items")
+    target = models.UUIDField()
+    outcome = models.CharField(max_length=100, blank=True, default="")
+
+    class Meta:
+        indexes = [
+            models.Index(fields=["operation", "id"], name="bulk_item_todo_idx",
+                         condition=Q(outcome="")),
+        ]  # fmt: skip
+
+    def __str__(self) -> str:
+        return f"{self.target} ({self.outcome or 'to do'})"
+
+
 # The states in which a run's ActiveRun row counts against its owner's limit.
 OWNER_LIMIT_STATES = (RunState.QUEUED, RunState.RUNNING)
 

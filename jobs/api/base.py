@@ -74,9 +74,7 @@ def read_filters(serializer_class, request) -> dict:
     filters = serializer_class(data=request.query_params)
     unknown = sorted(set(request.query_params) - set(filters.fields) - PAGING_PARAMETERS)
     if unknown:
-        raise serializers.ValidationError(
-            {name: ["Unknown query parameter."] for name in unknown}
-        )
+        raise serializers.ValidationError({name: ["Unknown query parameter."] for name in unknown})
     filters.is_valid(raise_exception=True)
     return filters.validated_data
 

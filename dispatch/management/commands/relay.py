@@ -4,6 +4,7 @@ from django.core.management.base import BaseCommand, CommandError
 from dispatch.broker import ConfirmingPublisher, queues_declare
 from dispatch.clockskew import ClockSkewConfig, clock_skew_thread
 from dispatch.loop import StopSignal, run_loop, run_once_step
+from dispatch.operations import OperationsConfig, operations_run_once
 from dispatch.relay import RelayConfig, relay_run_once, relay_sleep
 from dispatch.shares import OwnerTurns
 from dispatch.wakeup import Listener
@@ -40,13 +41,19 @@ class Command(BaseCommand):
         publisher = ConfirmingPublisher(
             settings.CELERY_BROKER_URL, settings.CELERY_BROKER_TRANSPORT_OPTIONS
         )
-        step = run_once_step(
+        relay_step = run_once_step(
             relay_run_once,
             config,
             sleep=lambda result: relay_sleep(result, config),
             publisher=publisher,
             turns=OwnerTurns(),
         )
+        # Bulk operations go on between the relay's steps, one bounded batch each.
+        operations_step = run_once_step(operations_run_once, OperationsConfig())
+
+        def step() -> float:
+            return min(relay_step(), operations_step())
+
         queues_declare(publisher, lane_queues(settings.SCHEDULER_QUEUES))
         stop = StopSignal().install()
         listener = Listener((CHANNEL_OUTBOX,), stop)
