@@ -27,8 +27,14 @@ class Command(BaseCommand):
             help="seconds between looks at an empty outbox when no notification came",
         )
         parser.add_argument("--max-steps", type=int, default=None, help="stop after N steps")
+        parser.add_argument(
+            "--bulk-batch-size",
+            type=int,
+            default=OperationsConfig.batch_size,
+            help="items of a bulk operation done in one transaction between relay steps",
+        )
 
-    def handle(self, *args, batch_size, poll_interval, max_steps, **options):
+    def handle(self, *args, batch_size, poll_interval, max_steps, bulk_batch_size, **options):
         try:
             config = RelayConfig(
                 batch_size=batch_size,
@@ -36,6 +42,7 @@ class Command(BaseCommand):
                 high_water=settings.SCHEDULER_QUEUE_HIGH_WATER,
                 owner_max_active_runs=settings.SCHEDULER_OWNER_MAX_ACTIVE_RUNS,
             )
+            operations_config = OperationsConfig(batch_size=bulk_batch_size)
         except ValueError as exc:
             raise CommandError(str(exc)) from exc
         publisher = ConfirmingPublisher(
@@ -49,7 +56,7 @@ class Command(BaseCommand):
             turns=OwnerTurns(),
         )
         # Bulk operations go on between the relay's steps, one bounded batch each.
-        operations_step = run_once_step(operations_run_once, OperationsConfig())
+        operations_step = run_once_step(operations_run_once, operations_config)
 
         def step() -> float:
             return min(relay_step(), operations_step())
