@@ -43,6 +43,10 @@ class QueueOutput(serializers.Serializer):
     rate_limit = serializers.CharField(allow_null=True)
 
 
+class QueueListOutput(serializers.Serializer):
+    results = QueueOutput(many=True, help_text="Each configured queue followed by its lanes.")
+
+
 def _queues(name: str | None = None) -> list:
     depth = BrokerQueueDepth(settings.CELERY_BROKER_URL, settings.CELERY_BROKER_TRANSPORT_OPTIONS)
     try:
@@ -61,7 +65,7 @@ def _configured(name: str) -> str:
 class QueueListApi(APIView):
     permission_classes = [IsOperator]
 
-    @extend_schema(responses=QueueOutput(many=True))
+    @extend_schema(responses=QueueListOutput)
     def get(self, request):
         return Response({"results": QueueOutput(_queues(), many=True).data})
 
@@ -82,11 +86,11 @@ class QueuePatchInput(StrictSerializer):
 class QueueDetailApi(APIView):
     permission_classes = [IsOperator]
 
-    @extend_schema(responses=QueueOutput(many=True))
+    @extend_schema(responses=QueueListOutput)
     def get(self, request, name):
         return Response({"results": QueueOutput(_queues(_configured(name)), many=True).data})
 
-    @extend_schema(request=QueuePatchInput, responses=QueueOutput(many=True))
+    @extend_schema(request=QueuePatchInput, responses=QueueListOutput)
     def patch(self, request, name):
         _configured(name)
         data = QueuePatchInput(data=request.data)
@@ -103,7 +107,7 @@ class QueuePauseInput(StrictSerializer):
 class QueuePauseApi(APIView):
     permission_classes = [IsOperator]
 
-    @extend_schema(request=QueuePauseInput, responses=QueueOutput(many=True))
+    @extend_schema(request=QueuePauseInput, responses=QueueListOutput)
     def post(self, request, name):
         _configured(name)
         data = QueuePauseInput(data=request.data)
@@ -121,7 +125,7 @@ class QueuePauseApi(APIView):
 class QueueResumeApi(APIView):
     permission_classes = [IsOperator]
 
-    @extend_schema(request=None, responses=QueueOutput(many=True))
+    @extend_schema(request=None, responses=QueueListOutput)
     def post(self, request, name):
         queue_resume(name=_configured(name), actor=request.user)
         return Response({"results": QueueOutput(_queues(name), many=True).data})
