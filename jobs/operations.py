@@ -55,16 +55,20 @@ def operation_count(*, user: AbstractBaseUser, action: str, filters: dict) -> in
 
 
 def operation_create(
-    *, user: AbstractBaseUser, action: str, filters: dict, stored_filter: dict, now: dt.datetime
+    *,
+    user: AbstractBaseUser,
+    action: str,
+    targets: QuerySet,
+    stored_filter: dict,
+    now: dt.datetime,
 ) -> BulkOperation:
-    """A running operation whose items are the ids the filter matches now (frozen), in one
-    transaction; the relays are woken at commit. An empty match is done at once."""
+    """A running operation whose items are the ids `targets` (the filter's match, among
+    what `user` may see) holds now, frozen, in one transaction; the relays are woken at
+    commit. An empty match is done at once."""
     with transaction.atomic():
         operation = BulkOperation.objects.create(owner=user, action=action, filter=stored_filter,
                                                  created_at=now)  # fmt: skip
-        ids = operation_matching(user=user, action=action, filters=filters).values_list(
-            "id", flat=True
-        )
+        ids = targets.values_list("id", flat=True)
         matched = 0
         batch: list[BulkOperationItem] = []
         for target in ids.order_by().iterator(chunk_size=ITEMS_WRITTEN_AT_ONCE):

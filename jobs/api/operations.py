@@ -13,7 +13,7 @@ from rest_framework.views import APIView
 from ..clock import db_now
 from ..idempotency import Answer
 from ..models import BulkOperation
-from ..operations import operation_count, operation_create
+from ..operations import operation_count, operation_create, operation_matching
 from ..roles import user_is_operator
 from .base import PAGING_PARAMETERS, idempotent_response
 from .jobs import JobFilters
@@ -72,8 +72,9 @@ class _BulkApi(APIView):
         now = db_now()
 
         def create() -> Answer:
-            operation = operation_create(user=request.user, action=self.action,
-                                         filters=filters, stored_filter=given, now=now)  # fmt: skip
+            targets = operation_matching(user=request.user, action=self.action, filters=filters)
+            operation = operation_create(user=request.user, action=self.action, targets=targets,
+                                         stored_filter=given, now=now)  # fmt: skip
             return Answer(status.HTTP_202_ACCEPTED, OperationOutput(operation).data)
 
         return idempotent_response(request, scope=f"bulk.{self.action}", produce=create, now=now)

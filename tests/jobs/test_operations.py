@@ -80,3 +80,23 @@ def test_bulk_pause_and_resume_of_jobs(api, user, make_job):
 def test_another_owner_cannot_see_an_operation(api, other_user):
     operation = BulkOperation.objects.create(owner=other_user, action="runs.cancel")
     assert api.get(f"/api/v1/operations/{operation.id}/").status_code == 404
+
+
+def test_the_admin_offers_all_n_matching_with_the_count_first(client, queued_run, user):
+    from tests.factories import superuser
+
+    runs = [queued_run(owner=user) for _ in range(3)]
+    Run.objects.filter(id__in=[run.id for run in runs[:2]]).update(state=RunState.FAILED)
+    client.force_login(superuser("admin-bulk"))
+    url = "/admin/jobs/run/?state__exact=failed"
+    post = {"action": "replay_runs", "select_across": "1", "_selected_action": ["all"]}
+    page = client.post(url, post)
+    assert page.status_code == 200
+    assert b"all <strong>2</strong>" in page.content
+    assert not BulkOperation.objects.exists()  # nothing before the confirmation
+    answer = client.post(url, {**post, "confirm": "yes"})
+    assert answer.status_code == 302
+    operation = BulkOperation.objects.get()
+    assert (operation.action, operation.matched) == ("runs.replay", 2)
+    _drain()
+    assert Run.objects.filter(state=RunState.QUEUED).count() == 3
