@@ -157,40 +157,40 @@ class Sampler(threading.Thread):
             connections.close_all()
 
 
-def test_max_running_holds_across_three_workers(two_queues, report_figure):
-    admin = operator("cap-operator")
-    queue_update(name="jobs", actor=admin, max_running=5)
-    two_queues.scheduler("scheduler", **ENV)
-    two_queues.relay("relay", **ENV)
-    for index in range(3):
-        _worker(two_queues, f"worker-{index}", 4)
-    due = dt.datetime.now(dt.UTC) + dt.timedelta(seconds=1)
-    runs = Run.objects.filter(
-        job__in=_jobs(owner("capped"), 40, task="tests.sleep", args=[0.5], due=due)
-    )
-    sampler = Sampler(runs)
-    sampler.start()
-    try:
-        wait_for(lambda: runs.filter(state=RunState.SUCCEEDED).count() == 40, timeout=180,
-                 message="the capped queue to drain")  # fmt: skip
-    finally:
-        sampler.done.set()
-        sampler.join()
-    report_figure(f"max_running=5, 3 workers x 4 slots: at most {max(sampler.samples)} running "
-                  f"({len(sampler.samples)} samples)")  # fmt: skip
-    assert max(sampler.samples) <= 5
-    assert max(sampler.samples) >= 3  # the cap, not a stall, bounded it
-    assert not runs.exclude(attempt_count=1).exists()
-
-
-def _rate_holds(stack, *, seconds: float, rate: int, report_figure) -> None:
-    admin = operator("rate-operator")
-    queue_update(name="jobs", actor=admin, rate_limit=f"{rate}/s")
+def _fleet(stack) -> None:
+    """A scheduler, two relays and three workers of four slots each."""
     stack.scheduler("scheduler", **ENV)
     stack.relay("relay-1", **ENV)
     stack.relay("relay-2", **ENV)
     for index in range(3):
-        _worker(stack, f"worker-{index}", 2)
+        _worker(stack, f"worker-{index}", 4)
+
+
+def _cap_holds(*, cap: int, count: int, report_figure) -> None:
+    admin = operator("cap-operator")
+    queue_update(name="jobs", actor=admin, max_running=cap)
+    due = dt.datetime.now(dt.UTC) + dt.timedelta(seconds=1)
+    runs = Run.objects.filter(
+        job__in=_jobs(owner("capped"), count, task="tests.sleep", args=[0.4], due=due)
+    )
+    sampler = Sampler(runs)
+    sampler.start()
+    try:
+        wait_for(lambda: runs.filter(state=RunState.SUCCEEDED).count() == count, timeout=180,
+                 message="the capped queue to drain")  # fmt: skip
+    finally:
+        sampler.done.set()
+        sampler.join()
+    report_figure(f"max_running={cap}, 2 relays, 3 workers x 4 slots: at most "
+                  f"{max(sampler.samples)} running ({len(sampler.samples)} samples)")  # fmt: skip
+    assert max(sampler.samples) <= cap
+    assert max(sampler.samples) >= cap - 2  # the cap, not a stall, bounded it
+    assert not runs.exclude(attempt_count=1).exists()  # a hand-back charges no attempt
+    queue_update(name="jobs", actor=admin, max_running=None)
+
+
+def _rate_holds(*, seconds: float, rate: int, report_figure) -> None:
+    queue_update(name="jobs", actor=operator("rate-operator"), rate_limit=f"{rate}/s")
     count = int(rate * seconds)
     runs = Run.objects.filter(job__in=_jobs(owner("rated"), count,
                               due=dt.datetime.now(dt.UTC) + dt.timedelta(seconds=1)))  # fmt: skip
@@ -205,7 +205,7 @@ def _rate_holds(stack, *, seconds: float, rate: int, report_figure) -> None:
         (j - i + 1) - rate * (starts[j] - starts[i]).total_seconds()
         for i in range(len(starts)) for j in range(i, min(len(starts), i + 4 * rate))
     )  # fmt: skip
-    report_figure(f"rate_limit {rate}/s, 2 relays x 3 workers: {count} runs in "
+    report_figure(f"rate_limit {rate}/s, 2 relays, 3 workers x 4 slots: {count} runs in "
                   f"{(starts[-1] - first).total_seconds():.1f} s, busiest second "
                   f"{max(per_second.values())} starts, most starts beyond the rate in any "
                   f"stretch {excess:.1f} (burst {rate})")  # fmt: skip
@@ -213,10 +213,15 @@ def _rate_holds(stack, *, seconds: float, rate: int, report_figure) -> None:
     assert excess <= rate + 1
 
 
-def test_rate_limit_holds_across_two_relays(two_queues, report_figure):
-    _rate_holds(two_queues, seconds=8, rate=20, report_figure=report_figure)
+def test_a_cap_then_a_rate_hold_across_two_relays_and_three_workers(two_queues,
+                                                                    report_figure):  # fmt: skip
+    _fleet(two_queues)
+    _cap_holds(cap=5, count=30, report_figure=report_figure)
+    _rate_holds(seconds=6, rate=20, report_figure=report_figure)
 
 
 @pytest.mark.drill
 def test_drill_rate_limit_for_a_minute(two_queues, report_figure):
-    _rate_holds(two_queues, seconds=60, rate=20, report_figure=report_figure)
+    _fleet(two_queues)
+    _cap_holds(cap=5, count=200, report_figure=report_figure)
+    _rate_holds(seconds=60, rate=20, report_figure=report_figure)
