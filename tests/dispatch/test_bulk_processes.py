@@ -95,5 +95,6 @@ def test_a_bulk_replay_survives_its_relay_and_web_killed(stack, report_figure):
 
 
 @pytest.mark.drill
+@pytest.mark.timeout(1500)
 def test_drill_bulk_replay_of_10000(stack, report_figure):
     _bulk_replay_survives_kills(stack, count=10_000, batch=100, report_figure=report_figure)

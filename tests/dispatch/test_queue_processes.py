@@ -132,6 +132,7 @@ def test_a_paused_queue_holds_its_runs_and_resume_drains_them_once(two_queues, r
 
 
 @pytest.mark.drill
+@pytest.mark.timeout(1500)
 def test_drill_pause_2000_due_and_200_in_the_broker(two_queues, report_figure):
     _pause_drains(two_queues, in_broker=200, due_later=2000, report_figure=report_figure)
 
@@ -221,6 +222,7 @@ def test_a_cap_then_a_rate_hold_across_two_relays_and_three_workers(two_queues,
 
 
 @pytest.mark.drill
+@pytest.mark.timeout(1500)
 def test_drill_rate_limit_for_a_minute(two_queues, report_figure):
     _fleet(two_queues)
     _cap_holds(cap=5, count=200, report_figure=report_figure)
