@@ -119,7 +119,9 @@ def relay_run_once(
     batch_full = False
     controls = QueueRoom()
     for queue in outbox_pending_queues(limit=MAX_QUEUES):
-        room = min(controls.room(queue), _room(queue, config=config, publisher=publisher))
+        room = controls.room(queue)
+        if room > 0:
+            room = min(room, _room(queue, config=config, publisher=publisher))
         if room <= 0:
             held_back += 1
             continue
