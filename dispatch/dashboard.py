@@ -30,13 +30,16 @@ from jobs.models import (
     Job,
     JobState,
     OutboxMessage,
+    QueueControl,
     Run,
     RunState,
 )
+from jobs.queues import queue_paused_now
 from jobs.roles import user_is_operator
 from jobs.selectors import job_list, oldest_overdue_seconds, run_list, runs_by_state_and_backlog
 
 from .charts import Series, line_chart
+from .queues import queue_of_lane
 from .reconciler import BrokerQueueDepth
 
 WINDOW = dt.timedelta(hours=1)
@@ -66,6 +69,9 @@ class QueueFigures:
     broker_ready: int | None  # None: the broker did not answer
     outbox_pending: int  # runs not yet published to it (the backlog)
     runs_queued: int  # published or not, waiting for a worker's claim
+    paused: bool = False  # its queue (a lane's, or itself) is paused (jobs.queues)
+    max_running: int | None = None
+    rate_limit: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -174,10 +180,18 @@ def _queues() -> list[QueueFigures]:
     )
     depth = BrokerQueueDepth(settings.CELERY_BROKER_URL, settings.CELERY_BROKER_TRANSPORT_OPTIONS)
     try:
-        return [
-            QueueFigures(name, depth(name), pending.get(name, 0), queued.get(name, 0))
-            for name in names
-        ]
+        now = db_now()
+        controls = {control.name: control for control in QueueControl.objects.all()}
+        figures = []
+        for name in names:
+            control = controls.get(queue_of_lane(name))
+            figures.append(QueueFigures(
+                name, depth(name), pending.get(name, 0), queued.get(name, 0),
+                paused=queue_paused_now(control, now=now),
+                max_running=control.max_running if control else None,
+                rate_limit=control.rate_limit if control else "",
+            ))  # fmt: skip
+        return figures
     finally:
         depth.close()
 

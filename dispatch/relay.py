@@ -65,6 +65,7 @@ from .broker import (
 from .config import config_require
 from .failpoints import failpoint
 from .loop import BROKER_ERRORS
+from .queues import QueueRoom
 from .shares import MAX_QUEUES, OwnerTurns, allowances, claim_shares
 
 log = logging.getLogger("dispatch.relay")
@@ -137,8 +138,11 @@ def relay_run_once(
     published_at = published_at_text(now)
     published = undeliverable = held_back = 0
     batch_full = False
+    controls = QueueRoom()
     for queue in outbox_pending_queues(limit=MAX_QUEUES):
-        room = _room(queue, config=config, publisher=publisher)
+        room = controls.room(queue)
+        if room > 0:
+            room = min(room, _room(queue, config=config, publisher=publisher))
         if room <= 0:
             held_back += 1
             continue

@@ -484,6 +484,86 @@ class OwnerLimit(models.Model):
         return f"limit of {self.owner_id}: {self.max_active_runs}"
 
 
+class QueueControl(models.Model):
+    """An operator's control of one configured queue (and its lanes, jobs.lanes): paused or
+    not, at most `max_running` of its runs running at once and at most `rate_per_second`
+    publications a second, across the whole fleet. A queue without a row is free. The
+    rate's token bucket lives here (`tokens` at `tokens_at`), taken by every relay in one
+    conditional UPDATE (storage.queues): the one store every relay and worker already
+    shares, so the limit needs no new component and survives any process."""
+
+    name = models.CharField(max_length=100, primary_key=True)
+    paused = models.BooleanField(default=False)
+    paused_reason = models.CharField(max_length=500, blank=True, default="")
+    # The pause ends by itself at this instant (None: until resumed).
+    paused_until = models.DateTimeField(null=True, blank=True)
+    paused_at = models.DateTimeField(null=True, blank=True)
+    paused_by = models.CharField(max_length=200, blank=True, default="")
+    max_running = models.PositiveIntegerField(
+        null=True, blank=True, validators=[MinValueValidator(1)]
+    )
+    # As given ("100/s", "6000/min"); "" none. rate_per_second is what the bucket uses.
+    rate_limit = models.CharField(max_length=40, blank=True, default="")
+    rate_per_second = models.FloatField(null=True, blank=True)
+    burst = models.FloatField(null=True, blank=True)
+    tokens = models.FloatField(default=0)
+    tokens_at = models.DateTimeField(null=True, blank=True)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    def __str__(self) -> str:
+        return f"queue {self.name}{' (paused)' if self.paused else ''}"
+
+
+class BulkOperation(models.Model):
+    """An action on every run or job that matched a filter when it was asked for
+    (`POST /api/v1/runs/bulk/<action>/`, `/jobs/bulk/<action>/`): its targets are written
+    as items at creation (the filter frozen: rows that arrive later are not among them)
+    and done in bounded batches by the relays (jobs.operations), each through the single
+    action's service with the owner as the actor; `running` until no item is left."""
+
+    class State(models.TextChoices):
+        RUNNING = "running"  # the relays' operations step works its items
+        DONE = "done"  # terminal: every item done or refused
+
+    id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
+    owner = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="+")
+    action = models.CharField(max_length=40)  # runs.cancel, runs.replay, jobs.pause, ...
+    filter = models.JSONField(default=dict)
+    state = models.CharField(max_length=20, choices=State.choices, default=State.RUNNING)
+    matched = models.PositiveIntegerField(default=0)
+    done = models.PositiveIntegerField(default=0)
+    refused = models.JSONField(default=dict)  # reason -> count
+    created_at = models.DateTimeField(default=timezone.now)
+    finished_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        indexes = [
+            models.Index(fields=["created_at"], name="bulk_operation_running_idx",
+                         condition=Q(state="running")),
+        ]  # fmt: skip
+
+    def __str__(self) -> str:
+        return f"{self.action} ({self.state}, {self.done}/{self.matched})"
+
+
+class BulkOperationItem(models.Model):
+    """One target of a bulk operation (a run's or a job's id); `outcome` empty while to do,
+    then "done" or the reason it was refused, written in the transaction of its action."""
+
+    operation = models.ForeignKey(BulkOperation, on_delete=models.CASCADE, related_name="items")
+    target = models.UUIDField()
+    outcome = models.CharField(max_length=100, blank=True, default="")
+
+    class Meta:
+        indexes = [
+            models.Index(fields=["operation", "id"], name="bulk_item_todo_idx",
+                         condition=Q(outcome="")),
+        ]  # fmt: skip
+
+    def __str__(self) -> str:
+        return f"{self.target} ({self.outcome or 'to do'})"
+
+
 # The states in which a run's ActiveRun row counts against its owner's limit.
 OWNER_LIMIT_STATES = (RunState.QUEUED, RunState.RUNNING)
 

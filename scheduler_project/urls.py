@@ -30,6 +30,7 @@ urlpatterns = [
     path("api/v1/", views.ApiRootApi.as_view(), name="api-root"),
     path("api/v1/", include("jobs.api.urls")),
     path("api/v1/", include("logs_app.urls")),
+    path("api/v1/", include("dispatch.api_urls")),
     path("dashboard/", include("dispatch.urls")),
     path("api/schema/", SpectacularAPIView.as_view(), name="schema"),
     path("api/docs/", views.ApiDocsView.as_view(url_name="schema"), name="api-docs"),

@@ -11,10 +11,12 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+from django.conf import settings
 from django.contrib.auth import get_user_model
 from django.urls import URLPattern, URLResolver, get_resolver
 from rest_framework.test import APIClient
 
+from jobs.models import BulkOperation
 from tests import factories
 
 ANONYMOUS, OWNER, OTHER_OWNER, STAFF, OPERATOR, SUPERUSER = (
@@ -46,6 +48,12 @@ ROUTES = {
     "admin/dispatch/<path:rest>": Row(("GET",), "redirect"),
     "api/v1/jobs/": Row(("GET", "POST"), "authenticated"),
     "api/v1/jobs/bulk/": Row(("POST",), "authenticated"),
+    "api/v1/jobs/bulk/pause/": Row(("POST",), "authenticated"),  # one's own jobs only
+    "api/v1/jobs/bulk/resume/": Row(("POST",), "authenticated"),
+    "api/v1/jobs/bulk/cancel/": Row(("POST",), "authenticated"),
+    "api/v1/runs/bulk/cancel/": Row(("POST",), "authenticated"),  # one's own runs only
+    "api/v1/runs/bulk/replay/": Row(("POST",), "authenticated"),
+    "api/v1/operations/<uuid:operation_id>/": Row(("GET",), "tenant"),
     "api/v1/jobs/<uuid:job_id>/": Row(("GET", "PATCH", "DELETE"), "tenant"),
     "api/v1/jobs/<uuid:job_id>/runs/": Row(("GET",), "tenant"),
     "api/v1/jobs/<uuid:job_id>/history/": Row(("GET",), "tenant"),
@@ -68,6 +76,10 @@ ROUTES = {
     "api/v1/webhooks/<uuid:webhook_id>/": Row(("GET", "PATCH", "DELETE"), "tenant"),
     "api/v1/webhooks/<uuid:webhook_id>/test/": Row(("POST",), "tenant"),
     "api/v1/webhooks/<uuid:webhook_id>/deliveries/": Row(("GET",), "tenant"),
+    "api/v1/queues/": Row(("GET",), "operator"),
+    "api/v1/queues/<str:name>/": Row(("GET", "PATCH"), "operator"),
+    "api/v1/queues/<str:name>/pause/": Row(("POST",), "operator"),
+    "api/v1/queues/<str:name>/resume/": Row(("POST",), "operator"),
     "api/schema/": Row(("GET",), "authenticated"),
     "api/docs/": Row(("GET",), "docs"),
     "healthz": Row(("GET",), "probe"),
@@ -176,11 +188,15 @@ def test_permission_matrix(route, method, principal, whose):
     run = _run_of(me if whose == OWN else other)
     calendar = _calendar_of(me if whose == OWN else other)
     webhook = _webhook_of(me if whose == OWN else other)
+    operation = BulkOperation.objects.create(owner=me if whose == OWN else other,
+                                             action="runs.cancel")  # fmt: skip
     url = "/" + route.replace("<uuid:job_id>", str(run.job_id)).replace(
         "<uuid:run_id>", str(run.id)
     ).replace("<path:rest>", "outboxmessage/").replace(
         "<uuid:calendar_id>", str(calendar.id)
-    ).replace("<uuid:webhook_id>", str(webhook.id))
+    ).replace("<uuid:webhook_id>", str(webhook.id)).replace(
+        "<str:name>", settings.SCHEDULER_QUEUES[0]
+    ).replace("<uuid:operation_id>", str(operation.id))
     client = APIClient()
     if principal != ANONYMOUS:
         client.credentials(HTTP_AUTHORIZATION=f"Token {factories.token_for(me)}")

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import datetime as dt
 import logging
+import time
 import uuid
 from collections.abc import Callable
 
 from celery.exceptions import SoftTimeLimitExceeded
-from django.db import InterfaceError, OperationalError
+from django.db import InterfaceError, OperationalError, transaction
 
 from jobs.models import Attempt, AttemptState, Run, RunState
 from jobs.services import run_record_duplicate_delivery
@@ -17,6 +18,7 @@ from jobs.transitions import run_claim
 from logs_app.capture import LogCapture
 from logs_app.store import logs_prepare
 
+from ..queues import queue_hand_back, queue_holds_run
 from .context import RunContext
 from .keeper import LEASE_KEEPER, Lease
 from .limits import soft_time_limit
@@ -35,11 +37,21 @@ from .recording import (
 log = logging.getLogger("dispatch.worker")
 
 
+# What a claim answers for a run its queue holds back (paused, or at its cap).
+HANDED_BACK = "handed_back"
+# The longest a delivered run of a rate-limited queue waits for its token before it is
+# handed back (the relays keep two bursts of the queue in the broker: seconds, usually).
+RATE_WAIT_SECONDS = 60.0
+
+
 def _claim(
     *, run_id: str, worker: str, published_at: dt.datetime | None, task_id: str
-) -> Attempt | None:
-    """Claim the delivered run (one statement), retrying through a database outage for a
-    bounded time. None: not claimable (a duplicate delivery, a cancelled or unknown run).
+) -> Attempt | str | None:
+    """Claim the delivered run (one statement, after its queue's gate: dispatch.queues),
+    retrying through a database outage for a bounded time. None: not claimable (a duplicate
+    delivery, a cancelled or unknown run); HANDED_BACK: its queue is paused or at its cap,
+    and the run waits in PostgreSQL again, no attempt charged. A run of a rate-limited
+    queue waits here for its token (up to RATE_WAIT_SECONDS, then it is handed back).
 
     A retry after an ambiguous commit adopts the attempt the first try may have made."""
 
@@ -50,13 +62,27 @@ def _claim(
             .first()
         )
 
-    def claim(claim_id: uuid.UUID) -> Attempt | None:
-        return run_claim(
-            run_id=run_id, worker=worker, claim_id=claim_id, published_at=published_at,
-            task_id=task_id,
-        )  # fmt: skip
+    def claim(claim_id: uuid.UUID) -> Attempt | str | float | None:
+        with transaction.atomic():
+            held = queue_holds_run(run_id=run_id)
+            if held is True:
+                return HANDED_BACK
+            if held:
+                return held  # the seconds until its queue's next token
+            return run_claim(
+                run_id=run_id, worker=worker, claim_id=claim_id, published_at=published_at,
+                task_id=task_id,
+            )  # fmt: skip
 
-    return adopting(claim, adopt)
+    deadline = time.monotonic() + RATE_WAIT_SECONDS
+    while True:
+        claimed = adopting(claim, adopt)
+        if not isinstance(claimed, float):
+            return claimed
+        if time.monotonic() + claimed > deadline:
+            queue_hand_back(run_id=run_id)
+            return HANDED_BACK
+        time.sleep(claimed)
 
 
 def published_at_of(value: str | None) -> dt.datetime | None:
@@ -108,6 +134,9 @@ def run_execute_delivery(
         return {"run_id": run_id, "outcome": "claim_failed"}
     if attempt is None:
         return _refused(run_id=run_id, worker=worker, message_id=message_id)
+    if attempt == HANDED_BACK:
+        log.info("run %s handed back: its queue is paused or at its cap", run_id)
+        return {"run_id": run_id, "outcome": HANDED_BACK}
     lease = LEASE_KEEPER.hold(attempt, attempt.run.job_version.spec["heartbeat_timeout_seconds"])
     try:
         return attempt_execute(

@@ -14,6 +14,7 @@ from django.db import DatabaseError, InterfaceError, OperationalError, connectio
 from jobs.models import Attempt, AttemptState
 from jobs.services import attempt_release_unstarted
 from jobs.transitions import attempts_still_running, runs_reserve
+from storage.queues import runs_of_held_queues
 
 from .delivery import attempt_execute, published_at_of, run_execute_delivery
 from .keeper import LEASE_KEEPER, Lease
@@ -64,9 +65,12 @@ def run_execute_deliveries(
         # Only where the worker enforces each run's time limit itself (SIGALRM, in a pool
         # process's main thread): a reserved attempt's deadline is only the latest its pack
         # lets it end, too loose to be its limit.
+        # Runs of a paused or capped queue go one by one, through the claim's gate
+        # (dispatch.queues), never reserved ahead of their turn.
+        held = set(runs_of_held_queues(run_ids=run_ids))
         reserved = (
             _reserve(
-                run_ids=run_ids,
+                run_ids=[run_id for run_id in run_ids if run_id not in held],
                 worker=worker,
                 published_at=published_at_of(published_at),
                 task_id=message_id,

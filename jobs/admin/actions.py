@@ -25,6 +25,7 @@ from ..api.refusals import refusal, schedule_refusal
 from ..api.validation import BackfillSerializer, backfill_instants
 from ..clock import db_now
 from ..models import Job
+from ..operations import operation_create
 from ..schedules import ScheduleError
 from ..services import (
     job_backfill,
@@ -91,7 +92,42 @@ def _report(modeladmin, request, *, verb: str, selected: list, refused: dict, ex
     modeladmin.message_user(request, " ".join(parts), level)
 
 
+# The admin's actions that, on "select all N", become a bulk operation (jobs.operations).
+BULK_ACTIONS = {"pause_jobs": "jobs.pause", "resume_jobs": "jobs.resume",
+                "cancel_jobs": "jobs.cancel", "cancel_runs": "runs.cancel",
+                "replay_runs": "runs.replay"}  # fmt: skip
+
+
+def _all_matching(modeladmin, request, queryset):
+    """ "Select all N" on a list: first a page showing N, then, once confirmed, one bulk
+    operation over the N (frozen), worked in batches by the relays."""
+    action = request.POST.get("action", "")
+    title = dict(modeladmin.get_action_choices(request)).get(action, action)
+    if "confirm" not in request.POST:
+        context = {
+            **modeladmin.admin_site.each_context(request),
+            "title": title,
+            "opts": modeladmin.opts,
+            "matched": queryset.count(),
+            "action": action,
+            "action_checkbox_name": helpers.ACTION_CHECKBOX_NAME,
+        }
+        return TemplateResponse(request, "admin/jobs/bulk_confirm.html", context)
+    operation = operation_create(user=request.user, action=BULK_ACTIONS[action],
+                                 targets=queryset, stored_filter={"admin": request.GET.urlencode()},
+                                 now=db_now())  # fmt: skip
+    modeladmin.message_user(
+        request,
+        f"Started operation {operation.id} on all {operation.matched} "
+        f"{modeladmin.opts.verbose_name_plural}; it goes on in the background.",
+        messages.SUCCESS,
+    )
+    return None
+
+
 def _apply(modeladmin, request, queryset, act: Act, verb: str):
+    if request.POST.get("select_across") == "1" and request.POST.get("action") in BULK_ACTIONS:
+        return _all_matching(modeladmin, request, queryset)
     selected = _selection(modeladmin, request, queryset)
     if selected is not None:
         now = db_now()

@@ -4,12 +4,14 @@ services as the API (each action is audited with its actor)."""
 import json
 
 from django import forms
+from django.conf import settings
 from django.contrib import admin, messages
 from django.urls import reverse
 from django.utils.html import format_html
 
 from ..audit import audit_record
 from ..clock import db_now
+from ..lanes import lanes_of
 from ..models import (
     OWNER_LIMIT_STATES,
     ActiveRun,
@@ -22,8 +24,10 @@ from ..models import (
     OutboxMessage,
     OutboxState,
     OwnerLimit,
+    QueueControl,
     Run,
 )
+from ..queues import queue_pause, queue_paused_now, queue_resume
 from ..redaction import redact, redact_value
 from ..roles import user_is_operator
 from ..selectors import jobs_with_last_outcome
@@ -321,3 +325,52 @@ class ApiTokenAdmin(ReadOnlyAdmin):
     def revoke_tokens(self, request, queryset):
         revoked = tokens_revoke(tokens=queryset, now=db_now())
         self.message_user(request, f"revoked: {revoked}", messages.SUCCESS)
+
+
+@admin.register(QueueControl)
+class QueueControlAdmin(ReadOnlyAdmin):
+    """Every configured queue (its lanes with it): paused or not, its cap and rate, the runs
+    waiting in PostgreSQL; `pause_queues` and `resume_queues` as the API's pause and resume
+    (audited, the operator the actor). Operators only. Caps and rates are set through
+    `PATCH /api/v1/queues/{name}/`."""
+
+    list_display = ("name", "paused_now", "paused_reason", "paused_until", "max_running",
+                    "rate_limit", "waiting_runs")  # fmt: skip
+    actions = ["pause_queues", "resume_queues"]
+
+    def has_module_permission(self, request):
+        return user_is_operator(request.user)
+
+    def has_view_permission(self, request, obj=None):
+        return user_is_operator(request.user)
+
+    def changelist_view(self, request, extra_context=None):
+        # A configured queue has a row here from its first look, free until an operator acts.
+        for name in settings.SCHEDULER_QUEUES:
+            QueueControl.objects.get_or_create(name=name)
+        return super().changelist_view(request, extra_context)
+
+    @admin.display(description="paused", boolean=True)
+    def paused_now(self, control):
+        return queue_paused_now(control, now=db_now())
+
+    @admin.display(description="waiting in PostgreSQL")
+    def waiting_runs(self, control):
+        names = [control.name, *lanes_of(control.name)]
+        return OutboxMessage.objects.filter(queue__in=names, state=OutboxState.PENDING).count()
+
+    @admin.action(description="Pause the selected queues")
+    def pause_queues(self, request, queryset):
+        now = db_now()
+        names = list(queryset.values_list("name", flat=True))
+        for name in names:
+            queue_pause(name=name, actor=request.user, reason="paused in the admin", until=None,
+                        now=now)  # fmt: skip
+        self.message_user(request, f"Paused {len(names)} queues: {', '.join(names)}.")
+
+    @admin.action(description="Resume the selected queues")
+    def resume_queues(self, request, queryset):
+        names = list(queryset.values_list("name", flat=True))
+        for name in names:
+            queue_resume(name=name, actor=request.user)
+        self.message_user(request, f"Resumed {len(names)} queues: {', '.join(names)}.")

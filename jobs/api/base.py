@@ -96,8 +96,17 @@ class Problem(serializers.Serializer):
     state = serializers.CharField(required=False)
 
 
+# The query parameters of every paginated list besides its filters.
+PAGING_PARAMETERS = frozenset({"cursor", "page_size"})
+
+
 def read_filters(serializer_class, request) -> dict:
+    """The list's filters; an unknown query parameter (a typo such as `status` for
+    `state`) answers 400 naming it, instead of silently listing everything."""
     filters = serializer_class(data=request.query_params)
+    unknown = sorted(set(request.query_params) - set(filters.fields) - PAGING_PARAMETERS)
+    if unknown:
+        raise serializers.ValidationError({name: ["Unknown query parameter."] for name in unknown})
     filters.is_valid(raise_exception=True)
     return filters.validated_data
 

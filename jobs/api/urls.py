@@ -1,10 +1,20 @@
 from django.urls import path
 
-from . import bulk, calendars, jobs, preview, runs, webhooks
+from . import bulk, calendars, jobs, operations, preview, runs, webhooks
 
 urlpatterns = [
     path("jobs/", jobs.JobListApi.as_view(), name="job-list"),
     path("jobs/bulk/", bulk.JobBulkApi.as_view(), name="job-bulk"),
+    path("jobs/bulk/pause/", operations.JobBulkPauseApi.as_view(), name="job-bulk-pause"),
+    path("jobs/bulk/resume/", operations.JobBulkResumeApi.as_view(), name="job-bulk-resume"),
+    path("jobs/bulk/cancel/", operations.JobBulkCancelApi.as_view(), name="job-bulk-cancel"),
+    path("runs/bulk/cancel/", operations.RunBulkCancelApi.as_view(), name="run-bulk-cancel"),
+    path("runs/bulk/replay/", operations.RunBulkReplayApi.as_view(), name="run-bulk-replay"),
+    path(
+        "operations/<uuid:operation_id>/",
+        operations.OperationDetailApi.as_view(),
+        name="operation-detail",
+    ),
     path("jobs/<uuid:job_id>/", jobs.JobDetailApi.as_view(), name="job-detail"),
     path("jobs/<uuid:job_id>/runs/", runs.JobRunListApi.as_view(), name="job-runs"),
     path("jobs/<uuid:job_id>/history/", jobs.JobHistoryApi.as_view(), name="job-history"),

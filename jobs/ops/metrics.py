@@ -26,9 +26,11 @@ from ..models import (
     Counter,
     PartitionLease,
     ProcessClock,
+    QueueControl,
     RunState,
     SchedulerReplica,
 )
+from ..queues import queue_paused_now
 from ..selectors import (
     LABEL,
     dead_letters_total,
@@ -50,6 +52,11 @@ COUNTERS = {
     "scheduler_lease_expired_total": (
         "Attempts whose lease expired (ended lost by the reaper).",
         [],
+    ),
+    "scheduler_runs_handed_back_total": (
+        "Delivered runs handed back to wait in PostgreSQL, no attempt charged, by queue and"
+        " reason: paused, max_running.",
+        ["queue", "reason"],
     ),
     "scheduler_reconcile_repairs_total": (
         "Runs repaired by reconciliation, by kind: republished, orphaned_running, undeliverable.",
@@ -116,6 +123,17 @@ def _partition_families(now: dt.datetime):
     )
 
 
+def _queues_paused(now: dt.datetime) -> GaugeMetricFamily:
+    """1 for each configured queue paused now (its lanes with it), else 0."""
+    paused = GaugeMetricFamily(
+        "scheduler_queue_paused", "1 while the queue (and its lanes) is paused.", labels=["queue"]
+    )
+    controls = {c.name: c for c in QueueControl.objects.filter(name__in=settings.SCHEDULER_QUEUES)}
+    for queue in settings.SCHEDULER_QUEUES:
+        paused.add_metric([queue], 1 if queue_paused_now(controls.get(queue), now=now) else 0)
+    return paused
+
+
 class DatabaseCollector:
     def collect(self):
         now = db_now()
@@ -177,3 +195,4 @@ class DatabaseCollector:
             runs.add_metric([state], runs_by_state.get(state, 0))
         yield runs
         yield from _partition_families(now)
+        yield _queues_paused(now)

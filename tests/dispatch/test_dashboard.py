@@ -113,7 +113,7 @@ def test_the_dashboard_shows_the_figures_in_the_database(live_server, staff, wor
     )  # fmt: skip
     assert (shown["succeeded-last-hour"], shown["failed-last-hour"]) == ("1", "1")
     assert row(html, "data-queue", "jobs") == {
-        "broker-ready": "0", "outbox-pending": "1", "runs-queued": "1"
+        "broker-ready": "0", "outbox-pending": "1", "runs-queued": "1", "queue-control": ""
     }  # fmt: skip
     assert row(html, "data-worker", "w1") == {"worker-running": "0", "worker-attempts": "2"}
     assert row(html, "data-worker", "w2") == {"worker-running": "1", "worker-attempts": "1"}

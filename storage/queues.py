@@ -1,0 +1,186 @@
+"""Queue controls: the statements behind pausing a queue, capping its running runs and
+limiting its publications a second across the fleet (dispatch.queues holds the policy).
+
+A pause is in force while `paused` is set and `paused_until` is unset or still ahead on
+the database's clock: an `until` ends it with no process acting. Every statement here
+reads the pause that way (PAUSED_IN_FORCE).
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from typing import NamedTuple
+
+from .outbox import OUTBOX_TABLE, PENDING
+from .sql import fetch_all, fetch_one, fetch_value
+
+QUEUE_TABLE = "jobs_queuecontrol"
+RUN_TABLE = "jobs_run"
+VERSION_TABLE = "jobs_jobversion"
+
+# Whether the pause of the row aliased `q` is in force now (the database's clock).
+PAUSED_IN_FORCE = "(q.paused AND (q.paused_until IS NULL OR q.paused_until > clock_timestamp()))"
+
+
+class QueueHold(NamedTuple):
+    """What a relay needs to know of a controlled queue at one step."""
+
+    name: str
+    paused: bool
+    max_running: int | None
+    burst: float | None  # the rate's burst; None without a rate
+
+
+def queues_held() -> dict[str, QueueHold]:
+    """Every queue with a control in force (paused now, a cap or a rate): one statement,
+    no lock."""
+    rows = fetch_all(
+        f"""
+        SELECT q.name, {PAUSED_IN_FORCE}, q.max_running,
+               CASE WHEN q.rate_per_second IS NOT NULL THEN q.burst END
+          FROM {QUEUE_TABLE} AS q
+         WHERE {PAUSED_IN_FORCE} OR q.max_running IS NOT NULL OR q.rate_per_second IS NOT NULL
+        """
+    )
+    return {row[0]: QueueHold(*row) for row in rows}
+
+
+def queue_running_count(*, queue: str, running: bool = True, in_broker: bool = False) -> int:
+    """The queue's runs (its lanes' too) that are `running` (with `running`), and those
+    `queued` with no pending outbox row (with `in_broker`: published, in the broker or a
+    worker's prefetch). No lock; the caller's snapshot."""
+    states = (["running"] if running else []) + (["queued"] if in_broker else [])
+    return fetch_value(
+        f"""
+        SELECT count(*) FROM {RUN_TABLE} AS r JOIN {VERSION_TABLE} AS v ON v.id = r.job_version_id
+         WHERE r.state = ANY(%(states)s) AND v.spec->>'queue' = %(queue)s
+           AND (r.state = 'running' OR NOT EXISTS (
+                SELECT 1 FROM {OUTBOX_TABLE} AS o WHERE o.run_id = r.id AND o.state = %(pending)s))
+        """,
+        {"states": states, "queue": queue, "pending": PENDING},
+    )
+
+
+class RunGate(NamedTuple):
+    """The control of a delivered run's queue at its claim."""
+
+    queue: str
+    paused: bool
+    max_running: int | None
+    rate_limited: bool
+
+
+def run_gate_lock(*, run_id: uuid.UUID | str) -> RunGate | None:
+    """The control of the run's queue, None when it has none; its row stays locked until
+    the caller's transaction ends: FOR SHARE (a pause, which updates the row, waits for the
+    claims in flight and every later claim reads it), FOR UPDATE when the queue has a cap or a
+    rate (claims of such a queue are serialized, so the count the caller makes next, a new
+    statement with a new snapshot, sees every claim committed before). Two statements in
+    the caller's transaction."""
+    row = fetch_one(
+        f"""
+        SELECT q.name, q.max_running IS NOT NULL OR q.rate_per_second IS NOT NULL
+          FROM {RUN_TABLE} AS r JOIN {VERSION_TABLE} AS v ON v.id = r.job_version_id
+          JOIN {QUEUE_TABLE} AS q ON q.name = v.spec->>'queue'
+         WHERE r.id = %(run_id)s
+        """,
+        {"run_id": run_id},
+    )
+    if row is None:
+        return None
+    mode = "UPDATE" if row[1] else "SHARE"
+    row = fetch_one(
+        f"SELECT q.name, {PAUSED_IN_FORCE}, q.max_running, q.rate_per_second IS NOT NULL"
+        f" FROM {QUEUE_TABLE} AS q"
+        f" WHERE q.name = %s FOR {mode}",
+        [row[0]],
+    )
+    return RunGate(*row) if row else None
+
+
+def runs_of_held_queues(*, run_ids: list[str]) -> list[str]:
+    """Those of the runs whose queue is paused now, capped or rate-limited (their claims go
+    one by one,
+    through the gate). No lock."""
+    rows = fetch_all(
+        f"""
+        SELECT r.id::text FROM {RUN_TABLE} AS r JOIN {VERSION_TABLE} AS v ON v.id = r.job_version_id
+          JOIN {QUEUE_TABLE} AS q ON q.name = v.spec->>'queue'
+         WHERE r.id = ANY(%(ids)s::uuid[])
+           AND ({PAUSED_IN_FORCE} OR q.max_running IS NOT NULL OR q.rate_per_second IS NOT NULL)
+        """,
+        {"ids": run_ids},
+    )
+    return [run_id for (run_id,) in rows]
+
+
+def run_has_pending_message(*, run_id: uuid.UUID | str) -> bool:
+    """Whether the run has a pending outbox row. No lock."""
+    return bool(
+        fetch_value(
+            f"SELECT EXISTS (SELECT 1 FROM {OUTBOX_TABLE} WHERE run_id = %s AND state = %s)",
+            [run_id, PENDING],
+        )
+    )
+
+
+def queue_token_take(*, queue: str) -> float:
+    """Take one token from the queue's bucket, refilled first at its rate since it was last
+    taken from (on the database's clock), never above its burst. 0.0: taken; otherwise the
+    seconds until a token is there (nothing taken). One conditional UPDATE that locks the
+    queue row until the caller's transaction ends (the claim's: a start and its token
+    commit together), so every worker draws from one bucket."""
+    row = fetch_one(
+        f"""
+        WITH bucket AS (
+            SELECT q.name, q.rate_per_second AS rate,
+                   LEAST(q.burst, q.tokens + q.rate_per_second * GREATEST(0,
+                       extract(epoch FROM clock_timestamp() - COALESCE(q.tokens_at,
+                       clock_timestamp())))) AS available
+              FROM {QUEUE_TABLE} AS q
+             WHERE q.name = %(queue)s AND q.rate_per_second IS NOT NULL
+               FOR UPDATE
+        )
+        UPDATE {QUEUE_TABLE} AS q
+           SET tokens = bucket.available - CASE WHEN bucket.available >= 1 THEN 1 ELSE 0 END,
+               tokens_at = clock_timestamp()
+          FROM bucket WHERE q.name = bucket.name
+     RETURNING CASE WHEN bucket.available >= 1 THEN 0.0
+                    ELSE (1 - bucket.available) / bucket.rate END
+        """,
+        {"queue": queue},
+    )
+    return 0.0 if row is None else float(row[0])
+
+
+class QueueFigures(NamedTuple):
+    queue: str
+    waiting: int  # pending outbox rows: held in PostgreSQL
+    running: int
+
+
+def queues_figures(*, queues: list[str], lanes: dict[str, str]) -> dict[str, QueueFigures]:
+    """Per Celery queue (lanes are their own; `lanes`: run kind -> its lane's suffix):
+    pending outbox rows, and running runs. Counts; no lock."""
+    waiting = dict(
+        fetch_all(
+            f"SELECT queue, count(*) FROM {OUTBOX_TABLE} WHERE state = %s AND queue = ANY(%s)"
+            " GROUP BY queue",
+            [PENDING, queues],
+        )
+    )
+    running = dict(
+        fetch_all(
+            f"""
+            SELECT COALESCE((v.spec->>'queue') || '.' || (%(lanes)s::jsonb->>r.kind),
+                            v.spec->>'queue'), count(*)
+              FROM {RUN_TABLE} AS r JOIN {VERSION_TABLE} AS v ON v.id = r.job_version_id
+             WHERE r.state = 'running' GROUP BY 1
+            """,
+            {"lanes": json.dumps(lanes)},
+        )
+    )
+    return {
+        queue: QueueFigures(queue, waiting.get(queue, 0), running.get(queue, 0)) for queue in queues
+    }
