@@ -31,6 +31,7 @@ from .lanes import LANES, lanes_of
 from .models import QueueControl, Run, RunState
 from .notify import CHANNEL_OUTBOX, notify
 from .outbox import outbox_enqueue_runs
+from .webhooks import webhook_event_record
 
 _RATE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*/\s*(s|sec|second|m|min|minute|h|hour)\s*$")
 _PERIOD_SECONDS = {"s": 1, "sec": 1, "second": 1, "m": 60, "min": 60, "minute": 60,
@@ -71,12 +72,17 @@ def queue_pause(
     claim starts a run of the queue, and the relays see it at their next step."""
     with transaction.atomic():
         control = _control(name)
+        was = queue_paused_now(control, now=now)
         control.paused, control.paused_reason, control.paused_until = True, reason, until
         control.paused_at, control.paused_by = now, f"user:{actor.get_username()}"[:200]
         control.save()
         audit_record(action="queue.paused", actor=actor,
                      data={"queue": name, "reason": reason,
                            "until": until.isoformat() if until else None})  # fmt: skip
+        if not was:  # owners hear of the pause itself, not of each change of its reason
+            webhook_event_record(event="queue.paused", now=now, data={"queue": {
+                "name": name, "reason": reason, "until": until.isoformat() if until else None,
+            }})  # fmt: skip
     return control
 
 

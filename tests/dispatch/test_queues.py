@@ -137,3 +137,17 @@ def test_the_admin_pauses_and_resumes_queues_and_metrics_show_it(client, operato
                 "_selected_action": ["jobs"]})  # fmt: skip
     assert not QueueControl.objects.get(name="jobs").paused
     assert 'scheduler_queue_paused{queue="jobs"} 0.0' in client.get("/metrics").content.decode()
+
+
+def test_pausing_a_queue_tells_the_webhooks_that_asked_once(operator_api, user):
+    from jobs.models import Webhook, WebhookDelivery
+
+    Webhook.objects.create(owner=user, url="https://hooks.example.com/", secret="whsec_q",
+                           events=["queue.paused"])  # fmt: skip
+    for reason in ("db migration", "still migrating"):  # the second changes only the reason
+        answer = operator_api.post("/api/v1/queues/jobs/pause/", {"reason": reason}, format="json")
+        assert answer.status_code == 200, answer.content
+    (delivery,) = WebhookDelivery.objects.all()
+    assert delivery.event == "queue.paused"
+    assert delivery.data["queue"] == {"name": "jobs", "reason": "db migration",
+                                      "until": None}  # fmt: skip
