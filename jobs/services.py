@@ -18,6 +18,7 @@ from . import keys
 from .audit import audit_event, audit_record
 from .clock import db_now
 from .counters import counter_increment
+from .dependencies import dependency_edges_write, is_dependent
 from .models import (
     BackfilledOccurrences,
     Job,
@@ -154,6 +155,9 @@ def job_create_bulk(
                          data={"version": job.version, **({"bulk": True} if bulk else {})})
              for job in jobs],
         ])  # fmt: skip
+        for job in jobs:
+            if is_dependent(job.spec):  # a new job: nothing depends on it, so no cycle
+                dependency_edges_write(job_id=job.id, spec=job.spec, check_cycle=False)
         firsts = [job.next_run_at for job in jobs if job.next_run_at is not None]
         if firsts:
             notify(CHANNEL_SCHEDULE, at=min(firsts))
@@ -266,6 +270,9 @@ def job_update(
         JobVersion.objects.create(
             job=job, version=expected_version + 1, spec=spec, created_by=actor
         )
+        if is_dependent(spec) or is_dependent(job.spec):
+            # DependencyCycle rolls the whole edit back (a concurrent edit closed one).
+            dependency_edges_write(job_id=job.id, spec=spec)
         if fields.get("next_run_at") is not None:
             notify(CHANNEL_SCHEDULE, at=fields["next_run_at"])  # perhaps earlier now
         audit_record(action="job.updated", actor=actor, job_id=job.id,
@@ -311,7 +318,7 @@ def job_resume(*, job: Job, actor: AbstractBaseUser, now: dt.datetime) -> bool:
     not paused.
     """
     fields = {}
-    if job.next_run_at is None and job.spec["schedule"]["kind"] != "once":
+    if job.next_run_at is None and job.spec["schedule"]["kind"] not in ("once", "after"):
         last = Run.objects.filter(job=job, kind=RunKind.SCHEDULED).aggregate(
             at=Max("scheduled_for")
         )["at"]

@@ -19,9 +19,10 @@ from ..idempotency import (
     idempotency_store,
     request_hash,
 )
+from ..selectors import job_list
 from ..services import job_create_bulk
 from .jobs import CREATE_SCOPE, JobOutput
-from .validation import JobSpecSerializer, job_spec_check
+from .validation import JobSpecSerializer, dependencies_check, job_spec_check
 
 BULK_MAX_JOBS = 1000
 
@@ -56,9 +57,10 @@ class BulkErrors(serializers.Serializer):
     )
 
 
-def _bulk_items(data, *, now: dt.datetime) -> tuple[list, list, list, list]:
+def _bulk_items(data, *, now: dt.datetime, visible) -> tuple[list, list, list, list]:
     """(specs, first fires, keys, errors), each aligned with the items; validation without
-    the database."""
+    the database, but for the upstreams an `after` schedule names (`visible`: the jobs the
+    caller may see)."""
     specs, firsts, keys, errors, seen = [], [], [], [], {}
     for index, item in enumerate(data):
         spec = key = error = first = None
@@ -78,6 +80,7 @@ def _bulk_items(data, *, now: dt.datetime) -> tuple[list, list, list, list]:
                     seen[key] = index
             try:
                 spec, first = job_spec_check(body, now=now)
+                dependencies_check(spec=spec, visible=visible)
             except serializers.ValidationError as exc:
                 error = {**exc.detail, **(error or {})}
             if error:
@@ -123,7 +126,9 @@ class JobBulkApi(APIView):
                 f"At most {BULK_MAX_JOBS} jobs per request, not {len(request.data)}."
             )
         now = db_now()
-        specs, firsts, keys, errors = _bulk_items(request.data, now=now)
+        specs, firsts, keys, errors = _bulk_items(
+            request.data, now=now, visible=job_list(user=request.user)
+        )
         digests = {
             key: request_hash({k: v for k, v in item.items() if k != "idempotency_key"})
             for key, item in zip(keys, request.data, strict=True)

@@ -11,6 +11,7 @@ from rest_framework.views import APIView
 
 from .. import schedules
 from ..clock import db_now
+from ..dependencies import DependencyCycle
 from ..idempotency import Answer
 from ..models import Job, JobState
 from ..redaction import redact_value
@@ -44,6 +45,7 @@ from .validation import (
     BackfillSerializer,
     JobSpecSerializer,
     backfill_instants,
+    dependencies_check,
     job_patched_spec,
     job_spec_check,
 )
@@ -154,6 +156,7 @@ class JobListApi(APIView):
 
         def create() -> Answer:
             spec, first = job_spec_check(request.data, now=now)
+            dependencies_check(spec=spec, visible=job_list(user=request.user))
             # job_create's rows, written in one statement rather than three.
             [job] = job_create_bulk(
                 owner=request.user, specs=[spec], first_fires=[first], now=now, bulk=False
@@ -203,9 +206,16 @@ class JobDetailApi(APIView):
         if not job_is_editable(job=job):
             return conflict(refusal("job.change", state=job.state), state=job.state)
         spec = job_patched_spec(spec=job.spec, patch=request.data)
-        if not job_update(
-            job=job, spec=spec, expected_version=job.version, actor=request.user, now=db_now()
-        ):
+        dependencies_check(spec=spec, visible=job_list(user=request.user), job_id=job.id)
+        try:
+            updated = job_update(
+                job=job, spec=spec, expected_version=job.version, actor=request.user, now=db_now()
+            )
+        except DependencyCycle as exc:  # closed by a concurrent edit since the check
+            raise serializers.ValidationError(
+                {"schedule": {"jobs": ["Would make a cycle with a concurrent edit."]}}
+            ) from exc
+        if not updated:
             job = visible_job(request, job_id)
             if not job_is_editable(job=job):
                 return conflict(refusal("job.change", state=job.state), state=job.state)

@@ -1,0 +1,222 @@
+"""Dependencies between jobs (jobs.dependencies, dispatch.dependencies, the trigger of
+storage.dependencies): a run's end creates its dependents' runs once, fan-in waits for
+every upstream, skips propagate with their `upstream:` reason, within_seconds expires by
+its own index, a paused dependent decides by its misfire policy on resume."""
+
+from __future__ import annotations
+
+import datetime as dt
+
+import pytest
+
+from jobs.dependencies import dependency_graph
+from jobs.models import (
+    DependencyGate,
+    DependencySignal,
+    Job,
+    JobDependency,
+    OutboxMessage,
+    Run,
+    RunKind,
+    RunState,
+)
+from jobs.services import job_cancel, job_pause, job_resume, job_trigger
+from jobs.transitions import attempt_fail, attempt_succeed, run_cancel
+from tests.factories import PINNED_NOW, claim, later, make_job, scheduler_pass
+
+pytestmark = pytest.mark.django_db
+
+CRON = {"kind": "cron", "expression": "* * * * *"}
+
+
+def head(user, name="A", **overrides):
+    return make_job(user, now=PINNED_NOW - dt.timedelta(minutes=1), name=name,
+                    schedule=CRON, **overrides)  # fmt: skip
+
+
+def after(user, *upstreams, name="B", **schedule):
+    return make_job(
+        user,
+        now=PINNED_NOW - dt.timedelta(minutes=1),
+        name=name,
+        schedule={"kind": "after", "jobs": [str(job.id) for job in upstreams], **schedule},
+    )
+
+
+def run_of(job, at=PINNED_NOW, kind=RunKind.SCHEDULED) -> Run | None:
+    return Run.objects.filter(job=job, scheduled_for=at, kind=kind).first()
+
+
+def end(run, state=RunState.SUCCEEDED, at=None):
+    """The run's attempt claimed and ended `state` (succeeded, failed or cancelled)."""
+    at = at or later(5)
+    if state == RunState.CANCELLED:
+        assert run_cancel(run_id=run.id, now=at)
+        return
+    attempt = claim(run, at=at)
+    if state == RunState.SUCCEEDED:
+        assert attempt_succeed(attempt=attempt, now=at)
+    else:
+        assert attempt_fail(attempt=attempt, now=at, error="boom", retry_at=None)
+
+
+def test_a_chain_runs_once_per_occurrence_with_the_instant_kind_and_upstream_runs(user):
+    a = head(user)
+    b = after(user, a)
+    c = after(user, b, name="C")
+    scheduler_pass(PINNED_NOW)
+    a_run = run_of(a)
+    assert JobDependency.objects.filter(upstream=a).count() == 1
+    assert Job.objects.get(id=b.id).next_run_at is None
+    end(a_run)
+    assert DependencySignal.objects.filter(run_id=a_run.id).count() == 1
+    result = scheduler_pass(later(6))
+    assert result.dependent_runs_created == 1
+    b_run = run_of(b)
+    assert (b_run.state, b_run.upstream_runs, b_run.kind) == ("queued", [a_run.id], "scheduled")
+    assert OutboxMessage.objects.filter(run=b_run).count() == 1
+    assert run_of(c) is None  # C waits for B's end
+    end(b_run, at=later(7))
+    scheduler_pass(later(8))
+    assert run_of(c).upstream_runs == [b_run.id]
+    # A repeated signal (the same run's end delivered again) makes nothing new.
+    DependencySignal.objects.create(run_id=a_run.id, job_id=a.id, state="succeeded",
+                                    kind="scheduled", scheduled_for=PINNED_NOW,
+                                    created_at=later(9))  # fmt: skip
+    scheduler_pass(later(9))
+    assert Run.objects.filter(job=b).count() == 1
+    assert not DependencySignal.objects.exists()
+    # The dependent is never completed for want of a next_run_at.
+    assert Job.objects.get(id=b.id).state == "active"
+
+
+def test_a_manual_or_backfill_head_gives_its_kind_and_lane_to_the_chain(user):
+    a = head(user)
+    b = after(user, a)
+    manual = job_trigger(job=a, actor=user, now=later(1))
+    end(manual)
+    scheduler_pass(later(6))
+    b_run = Run.objects.get(job=b)
+    assert (b_run.kind, b_run.scheduled_for) == ("manual", manual.scheduled_for)
+    assert OutboxMessage.objects.get(run=b_run).queue.endswith(".manual")
+
+
+def test_fan_in_waits_for_every_upstream_and_a_failure_skips_the_chain(user):
+    a1, a2 = head(user, "A1"), head(user, "A2")
+    b = after(user, a1, a2)
+    c = after(user, b, name="C")
+    scheduler_pass(PINNED_NOW)
+    scheduler_pass(PINNED_NOW + dt.timedelta(minutes=1))
+    t0, t1 = PINNED_NOW, PINNED_NOW + dt.timedelta(minutes=1)
+    end(run_of(a1, t0), at=later(70))
+    scheduler_pass(later(71))
+    assert run_of(b, t0) is None  # one of two: no run yet
+    end(run_of(a2, t0), at=later(72))
+    scheduler_pass(later(73))
+    assert run_of(b, t0).state == "queued"
+    assert set(run_of(b, t0).upstream_runs) == {run_of(a1, t0).id, run_of(a2, t0).id}
+    # The next instant: A2 fails, so B and then C are skipped, each naming its decider.
+    end(run_of(a1, t1), at=later(80))
+    failed = run_of(a2, t1)
+    end(failed, RunState.FAILED, at=later(81))
+    scheduler_pass(later(82))
+    skipped = run_of(b, t1)
+    assert skipped.state == "skipped"
+    assert skipped.skip_reason.startswith(f"upstream: job {a2.id} run {failed.id} ended failed")
+    scheduler_pass(later(83))
+    c_skip = run_of(c, t1)
+    assert c_skip.state == "skipped"
+    assert c_skip.skip_reason.startswith(f"upstream: job {b.id} run {skipped.id} ended skipped")
+
+
+def test_cancelled_upstream_skips_and_on_failed_runs_only_on_failure(user):
+    a = head(user)
+    on_failure = after(user, a, name="cleanup", on="failed")
+    scheduler_pass(PINNED_NOW)
+    end(run_of(a), RunState.CANCELLED)
+    scheduler_pass(later(6))
+    assert run_of(on_failure).skip_reason.startswith("upstream:")
+    scheduler_pass(PINNED_NOW + dt.timedelta(minutes=1))
+    t1 = PINNED_NOW + dt.timedelta(minutes=1)
+    end(run_of(a, t1), RunState.FAILED, at=later(65))
+    scheduler_pass(later(66))
+    assert run_of(on_failure, t1).state == "queued"
+
+
+def test_within_seconds_expiry_skips_by_its_deadline(user):
+    a1, a2 = head(user, "A1"), head(user, "A2")
+    b = after(user, a1, a2, within_seconds=30)
+    scheduler_pass(PINNED_NOW)
+    first = run_of(a1)
+    end(first, at=later(5))
+    scheduler_pass(later(6))
+    gate = DependencyGate.objects.get(job=b)
+    assert gate.deadline_at == later(6) + dt.timedelta(seconds=30)
+    scheduler_pass(later(30))
+    assert run_of(b) is None
+    scheduler_pass(later(37))
+    skipped = run_of(b)
+    assert skipped.state == "skipped"
+    assert skipped.skip_reason.startswith(f"upstream: job {a1.id} run {first.id} waited 30s")
+    assert str(a2.id) in skipped.skip_reason
+    # A2 ending later changes nothing: the occurrence was decided.
+    end(run_of(a2), at=later(40))
+    scheduler_pass(later(41))
+    assert Run.objects.filter(job=b).count() == 1
+
+
+def test_a_paused_dependent_decides_by_its_misfire_policy_on_resume(user):
+    a = head(user)
+    b = after(user, a)
+    b.spec["misfire"] = {"policy": "run_latest", "grace_seconds": 10}
+    Job.objects.filter(id=b.id).update(spec=b.spec)
+    b.refresh_from_db()
+    assert job_pause(job=b, actor=user, now=PINNED_NOW)
+    for minute in range(3):
+        at = PINNED_NOW + dt.timedelta(minutes=minute)
+        scheduler_pass(at)
+        end(run_of(a, at), at=at + dt.timedelta(seconds=5))
+        scheduler_pass(at + dt.timedelta(seconds=6))
+    assert not Run.objects.filter(job=b).exists()
+    assert DependencyGate.objects.filter(job=b, state="held").count() == 3
+    b.refresh_from_db()
+    assert job_resume(job=b, actor=user, now=later(300))
+    scheduler_pass(later(300))
+    runs = list(Run.objects.filter(job=b).order_by("scheduled_for").values_list("state", flat=True))
+    assert runs == ["skipped", "skipped", "queued"]  # run_latest: the latest runs
+
+
+def test_a_cancelled_dependent_takes_no_occurrence(user):
+    a = head(user)
+    b = after(user, a)
+    assert job_cancel(job=b, actor=user, now=PINNED_NOW)
+    scheduler_pass(PINNED_NOW)
+    end(run_of(a))
+    scheduler_pass(later(6))
+    assert not Run.objects.filter(job=b).exists()
+    assert not DependencySignal.objects.exists()
+
+
+def test_a_run_without_dependents_writes_no_signal(user):
+    a = head(user)
+    scheduler_pass(PINNED_NOW)
+    end(run_of(a))
+    assert not DependencySignal.objects.exists()
+
+
+def test_the_graph_is_transitive_and_bounded(user):
+    a = head(user)
+    b = after(user, a)
+    c = after(user, b, name="C")
+    graph = dependency_graph(job=b, visible=Job.objects.all())
+    assert [(n.id, n.depth) for n in graph["upstream"]] == [(a.id, 1)]
+    assert [(n.id, n.depth) for n in graph["downstream"]] == [(c.id, 1)]
+    graph = dependency_graph(job=c, visible=Job.objects.all(), max_depth=1)
+    assert [n.id for n in graph["upstream"]] == [b.id]
+
+
+def test_the_completion_rule_spares_a_dependent_job_with_no_next_run(user):
+    from storage.completion import jobs_complete_if_finished
+
+    b = after(user, head(user))
+    assert jobs_complete_if_finished(job_ids=[b.id], now=later(1)) == []
