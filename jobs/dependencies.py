@@ -43,6 +43,7 @@ from .models import (
 )
 from .outbox import outbox_enqueue_runs
 from .policies import misfire_plan
+from .schedules import job_preview
 
 log = logging.getLogger("jobs.dependencies")
 
@@ -164,6 +165,30 @@ def dependency_graph(
             key=lambda node: (node.depth, node.name, str(node.id)),
         )
     return graph
+
+
+def dependency_preview(
+    *, upstreams: list[Job], visible, after: dt.datetime, count: int, depth: int = 0
+) -> list[dt.datetime]:
+    """The next `count` instants after `after` at which a job running after `upstreams`
+    would have an occurrence: those every upstream has (an instant travels down a chain;
+    a fan-in needs them all), each upstream's by its own schedule, an `after` upstream's
+    by its own upstreams (up to GRAPH_MAX_DEPTH, through `visible` jobs only). Whether
+    the occurrence runs is decided by how the upstream runs end, at their ends."""
+    common: set[dt.datetime] | None = None
+    for upstream in upstreams:
+        if is_dependent(upstream.spec):
+            if depth >= GRAPH_MAX_DEPTH:
+                return []
+            above = list(visible.filter(id__in=dependency_upstream_ids(upstream.spec)))
+            instants = dependency_preview(upstreams=above, visible=visible, after=after,
+                                          count=count * 10, depth=depth + 1)  # fmt: skip
+        else:
+            instants = [
+                fire["at"] for fire in job_preview(job=upstream, after=after, count=count * 10)
+            ]
+        common = set(instants) if common is None else common & set(instants)
+    return sorted(common or ())[:count]
 
 
 # -- deciding dependent occurrences --------------------------------------------------------

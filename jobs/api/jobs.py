@@ -11,7 +11,7 @@ from rest_framework.views import APIView
 
 from .. import schedules
 from ..clock import db_now
-from ..dependencies import DependencyCycle
+from ..dependencies import GRAPH_MAX_DEPTH, DependencyCycle, dependency_graph
 from ..idempotency import Answer
 from ..models import Job, JobState
 from ..redaction import redact_value
@@ -378,6 +378,28 @@ class JobHistoryApi(APIView):
         # An operator's read gets the secrets masked; the owner's, their own data.
         history = job_history(job=job, redacted=request.user.pk != job.owner_id)
         return Response(HistoryOutput(history).data)
+
+
+class GraphJobOutput(serializers.Serializer):
+    id = serializers.UUIDField()
+    name = serializers.CharField()
+    state = serializers.CharField()
+    depth = serializers.IntegerField(help_text="Edges from the job asked about.")
+
+
+class GraphOutput(serializers.Serializer):
+    job = serializers.UUIDField()
+    upstream = GraphJobOutput(many=True, help_text="The jobs it runs after, transitively.")
+    downstream = GraphJobOutput(many=True, help_text="The jobs that run after it, transitively.")
+    max_depth = serializers.IntegerField()
+
+
+class JobGraphApi(APIView):
+    @extend_schema(responses=GraphOutput)
+    def get(self, request, job_id):
+        job = visible_job(request, job_id)
+        graph = dependency_graph(job=job, visible=job_list(user=request.user))
+        return Response(GraphOutput({"job": job.id, **graph, "max_depth": GRAPH_MAX_DEPTH}).data)
 
 
 class JobCancelApi(APIView):

@@ -11,7 +11,9 @@ from rest_framework.views import APIView
 
 from .. import schedules
 from ..clock import db_now
-from .validation import PreviewSerializer
+from ..dependencies import dependency_preview
+from ..selectors import job_list
+from .validation import PreviewSerializer, dependencies_check
 
 
 class OccurrenceOutput(serializers.Serializer):
@@ -29,6 +31,17 @@ class OccurrenceOutput(serializers.Serializer):
 
 class PreviewOutput(serializers.Serializer):
     occurrences = OccurrenceOutput(many=True)
+    note = serializers.CharField(
+        required=False,
+        help_text="For a schedule of kind `after`: what its instants mean.",
+    )
+
+
+AFTER_NOTE = (
+    "An `after` schedule has no times of its own: these are the instants at which every "
+    "upstream has an occurrence (its runs' scheduled_for). Each runs when its upstream runs "
+    "end as `on` asks, and is skipped otherwise."
+)
 
 
 class SchedulePreviewApi(APIView):
@@ -57,6 +70,8 @@ class SchedulePreviewApi(APIView):
         preview.is_valid(raise_exception=True)
         data = preview.validated_data
         after = dt.datetime.fromisoformat(data["after"]) if data.get("after") else db_now()
+        if data["schedule"]["kind"] == "after":
+            return self._after(request, data, after)
         try:
             found = schedules.schedule_preview(
                 schedule=data["schedule"], dst=data["dst"], after=after, count=data["count"]
@@ -64,3 +79,15 @@ class SchedulePreviewApi(APIView):
         except schedules.ScheduleError as exc:
             raise serializers.ValidationError({"schedule": [str(exc)]}) from exc
         return Response(PreviewOutput({"occurrences": found}).data)
+
+    def _after(self, request, data: dict, after: dt.datetime) -> Response:
+        visible = job_list(user=request.user)
+        dependencies_check(spec={"schedule": data["schedule"]}, visible=visible)
+        upstreams = list(visible.filter(id__in=data["schedule"]["jobs"]))
+        instants = dependency_preview(
+            upstreams=upstreams, visible=visible, after=after, count=data["count"]
+        )
+        found = [
+            {"at": at, "local": at.isoformat(), "dst": "", "doubled": False} for at in instants
+        ]
+        return Response(PreviewOutput({"occurrences": found, "note": AFTER_NOTE}).data)

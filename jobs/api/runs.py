@@ -49,8 +49,14 @@ class RunOutput(serializers.Serializer):
     )
     result = serializers.JSONField(allow_null=True)
     duplicate_deliveries = serializers.IntegerField()
+    upstream_runs = serializers.SerializerMethodField(
+        help_text="The upstream runs whose ends created this run (schedule kind `after`)."
+    )
     timestamps = serializers.SerializerMethodField()
     attempts = AttemptOutput(many=True)
+
+    def get_upstream_runs(self, run) -> list[str]:
+        return [str(run_id) for run_id in run.upstream_runs or ()]
 
     def get_timestamps(self, run) -> dict:
         field = serializers.DateTimeField()

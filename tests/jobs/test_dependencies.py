@@ -29,9 +29,9 @@ pytestmark = pytest.mark.django_db
 CRON = {"kind": "cron", "expression": "* * * * *"}
 
 
-def head(user, name="A", **overrides):
-    return make_job(user, now=PINNED_NOW - dt.timedelta(minutes=1), name=name,
-                    schedule=CRON, **overrides)  # fmt: skip
+def head(user, name="A", schedule=CRON, **overrides):
+    start = PINNED_NOW - dt.timedelta(minutes=1)
+    return make_job(user, now=start, name=name, schedule=schedule, **overrides)
 
 
 def after(user, *upstreams, name="B", **schedule):
@@ -220,3 +220,93 @@ def test_the_completion_rule_spares_a_dependent_job_with_no_next_run(user):
 
     b = after(user, head(user))
     assert jobs_complete_if_finished(job_ids=[b.id], now=later(1)) == []
+
+
+# -- the API: validation, the graph, upstream_runs --------------------------------------
+
+
+def after_body(*upstream_ids, **schedule):
+    from tests.factories import job_body
+
+    jobs = [str(i) for i in upstream_ids]
+    return job_body(name="dependent", schedule={"kind": "after", "jobs": jobs, **schedule})
+
+
+def test_the_api_refuses_bad_on_invisible_upstreams_too_many_and_cycles(user, other_user):
+    import uuid
+
+    from jobs.dependencies import MAX_UPSTREAMS
+    from tests.factories import api_client
+
+    api = api_client(user)
+    a = head(user)
+    theirs = head(other_user, "theirs")
+    answer = api.post("/api/v1/jobs/", after_body(a.id, on="sometimes"), format="json")
+    assert answer.status_code == 400 and "on" in answer.json()["schedule"]
+    # Another's job and a job that does not exist: the same words, saying nothing more.
+    for unseen in (theirs.id, uuid.uuid4()):
+        answer = api.post("/api/v1/jobs/", after_body(a.id, unseen), format="json")
+        assert answer.status_code == 400
+        assert answer.json()["schedule"]["jobs"] == [f"Not a job you can see: {unseen}."]
+    ids = [head(user, f"u{n}").id for n in range(MAX_UPSTREAMS + 1)]
+    answer = api.post("/api/v1/jobs/", after_body(*ids), format="json")
+    assert answer.status_code == 400 and "jobs" in answer.json()["schedule"]
+    answer = api.post("/api/v1/jobs/", after_body(a.id, within_seconds=0), format="json")
+    assert answer.status_code == 400 and "within_seconds" in answer.json()["schedule"]
+    # A -> B -> C; making A run after C closes a cycle: 400, and nothing changed.
+    b = api.post("/api/v1/jobs/", after_body(a.id), format="json").json()
+    c = api.post("/api/v1/jobs/", after_body(b["id"]), format="json").json()
+    answer = api.patch(f"/api/v1/jobs/{a.id}/", after_body(c["id"]), format="json")
+    assert answer.status_code == 400 and "cycle" in answer.json()["schedule"]["jobs"][0]
+    answer = api.patch(f"/api/v1/jobs/{b['id']}/", after_body(b["id"]), format="json")
+    assert answer.status_code == 400
+    assert Job.objects.get(id=a.id).version == 1
+    assert not JobDependency.objects.filter(dependent_id=a.id).exists()
+    # A change of upstreams is a new version, audited, with its edges rewritten.
+    a2 = head(user, "A2")
+    answer = api.patch(f"/api/v1/jobs/{c['id']}/",
+                       {"schedule": {"kind": "after", "jobs": [b["id"], str(a2.id)],
+                                     "on": "finished"}}, format="json")  # fmt: skip
+    assert answer.status_code == 200 and answer.json()["version"] == 2
+    assert set(
+        JobDependency.objects.filter(dependent_id=c["id"]).values_list("upstream_id", flat=True)
+    ) == {uuid.UUID(b["id"]), a2.id}
+    history = api.get(f"/api/v1/jobs/{c['id']}/history/").json()
+    assert history["events"][0]["action"] == "job.updated"
+
+
+def test_the_graph_and_upstream_runs_over_the_api(user, other_user):
+    from tests.factories import api_client
+
+    api = api_client(user)
+    a = head(user)
+    b = after(user, a)
+    after(other_user, b, name="theirs")  # not the caller's: not listed
+    scheduler_pass(PINNED_NOW)
+    end(run_of(a))
+    scheduler_pass(later(6))
+    graph = api.get(f"/api/v1/jobs/{b.id}/graph/").json()
+    assert [job["id"] for job in graph["upstream"]] == [str(a.id)]
+    assert graph["downstream"] == []
+    assert graph["upstream"][0]["state"] == "active"
+    detail = api.get(f"/api/v1/runs/{run_of(b).id}/").json()
+    assert detail["upstream_runs"] == [str(run_of(a).id)]
+
+
+def test_preview_of_an_after_schedule_gives_the_instants_its_upstreams_share(user):
+    from tests.factories import api_client
+
+    api = api_client(user)
+    every_minute = head(user, "A1")
+    every_other = head(user, "A2", schedule={"kind": "cron", "expression": "*/2 * * * *"})
+    b = after(user, every_minute, every_other)
+    body = {"schedule": {"kind": "after", "jobs": [str(b.id)]}, "count": 3,
+            "after": PINNED_NOW.isoformat()}  # fmt: skip
+    answer = api.post("/api/v1/schedules/preview/", body, format="json")
+    assert answer.status_code == 200, answer.json()
+    got = [
+        dt.datetime.fromisoformat(o["at"].replace("Z", "+00:00"))
+        for o in answer.json()["occurrences"]
+    ]
+    assert got == [PINNED_NOW + dt.timedelta(minutes=m) for m in (2, 4, 6)]
+    assert "upstream" in answer.json()["note"]
