@@ -310,3 +310,34 @@ def test_preview_of_an_after_schedule_gives_the_instants_its_upstreams_share(use
     ]
     assert got == [PINNED_NOW + dt.timedelta(minutes=m) for m in (2, 4, 6)]
     assert "upstream" in answer.json()["note"]
+
+
+def test_fan_in_over_twenty_cron_boundaries_with_one_failure(user):
+    a1, a2 = head(user, "A1"), head(user, "A2")
+    b = after(user, a1, a2)
+    c = after(user, b, name="C")
+    failing = 7  # odd: A2 ends second that minute, and fails
+    for minute in range(20):
+        at = PINNED_NOW + dt.timedelta(minutes=minute)
+        scheduler_pass(at)
+        first, second = (a1, a2) if minute % 2 else (a2, a1)  # either may end first
+        end(run_of(first, at), at=at + dt.timedelta(seconds=5))
+        scheduler_pass(at + dt.timedelta(seconds=6))
+        assert run_of(b, at) is None  # never before both of its upstreams ended
+        state = RunState.FAILED if minute == failing else RunState.SUCCEEDED
+        end(run_of(second, at), state, at=at + dt.timedelta(seconds=7))
+        scheduler_pass(at + dt.timedelta(seconds=8))
+        scheduler_pass(at + dt.timedelta(seconds=9))  # a skip's own dependents
+    runs = {run.scheduled_for: run for run in Run.objects.filter(job=b)}
+    assert len(runs) == 20
+    assert [at for at, run in runs.items() if run.state == "skipped"] == [
+        PINNED_NOW + dt.timedelta(minutes=failing)
+    ]
+    for at, run in runs.items():
+        ends = [run_of(job, at).finished_at for job in (a1, a2)]
+        assert run.created_at >= max(ends)
+    skipped = runs[PINNED_NOW + dt.timedelta(minutes=failing)]
+    assert skipped.skip_reason.startswith(f"upstream: job {a2.id} run ")
+    [c_run] = Run.objects.filter(job=c)  # B's queued runs have not ended; the skip did
+    assert (c_run.state, c_run.scheduled_for) == ("skipped", skipped.scheduled_for)
+    assert c_run.skip_reason.startswith(f"upstream: job {b.id} run {skipped.id}")
