@@ -17,8 +17,14 @@ from tests.processes import wait_for
 pytestmark = pytest.mark.slow
 
 
-def _chain(make_job, head_schedule, now):
-    a = make_job(now=now, name="A", task="tests.record", schedule=head_schedule)
+# A cron head whose scheduled occurrences start in 2099: its runs in these tests are the
+# backfilled ones only (an explicit backfill is not bounded by start_at), counted exactly.
+CRON_HEAD = {"schedule": {"kind": "cron", "expression": "* * * * *"},
+             "start_at": "2099-01-01T00:00:00Z"}  # fmt: skip
+
+
+def _chain(make_job, head, now):
+    a = make_job(now=now, name="A", task="tests.record", **head)
     b = make_job(now=now, name="B", task="tests.record",
                  schedule={"kind": "after", "jobs": [str(a.id)]})  # fmt: skip
     c = make_job(now=now, name="C", task="tests.record",
@@ -45,9 +51,9 @@ def test_a_one_time_and_a_cron_head_each_run_their_chain_once(stack, make_job):
     once = _chain(
         make_job, {"kind": "once", "run_at": (now + dt.timedelta(seconds=1)).isoformat()}, now
     )
-    # A cron head, its next minute's boundary taken from the past by a one-run backfill:
-    # the same path as any occurrence, without waiting for a boundary.
-    cron = _chain(make_job, {"kind": "cron", "expression": "* * * * *"}, now)
+    # A cron head's occurrence from the past, by a one-run backfill: the path of any
+    # occurrence, without waiting for a minute's boundary.
+    cron = _chain(make_job, CRON_HEAD, now)
     minute = now.replace(second=0, microsecond=0)
     instants = backfill_occurrences(job=cron[0], start=minute - dt.timedelta(minutes=1), end=minute)
     assert job_backfill(job=cron[0], instants=instants, actor=cron[0].owner, now=now)
@@ -67,7 +73,7 @@ def test_a_one_time_and_a_cron_head_each_run_their_chain_once(stack, make_job):
 @pytest.mark.drill
 def test_a_hundred_head_runs_give_a_hundred_of_each_through_kills_and_a_restart(stack, make_job):
     now = dt.datetime.now(dt.UTC)
-    a, b, c = _chain(make_job, {"kind": "cron", "expression": "* * * * *"}, now)
+    a, b, c = _chain(make_job, CRON_HEAD, now)
     minute = now.replace(second=0, microsecond=0)
     instants = backfill_occurrences(job=a, start=minute - dt.timedelta(minutes=100), end=minute)
     assert len(instants) == 100
