@@ -18,11 +18,12 @@ from django.template.response import TemplateResponse
 from rest_framework import serializers
 
 from ..api.refusals import refusal
-from ..api.validation import job_patched_spec, job_spec_check
+from ..api.validation import dependencies_check, job_patched_spec, job_spec_check
 from ..clock import db_now
 from ..models import Job
 from ..redaction import redact_value, unmask
 from ..registry import registered_task_names
+from ..selectors import job_list
 from ..services import JobQuotaExceeded, job_create, job_is_editable, job_quota_check, job_update
 
 EXAMPLE_BODY = {
@@ -96,6 +97,7 @@ class JobBodyForm(forms.ModelForm):
         try:
             if job._state.adding:
                 self.spec, _ = job_spec_check(data["body"], now=db_now())
+                dependencies_check(spec=self.spec, visible=job_list(user=self.owner))
                 job_quota_check(owner=self.owner, adding=1)  # as the API answers 429
                 return data
             if not job_is_editable(job=job):
@@ -103,6 +105,7 @@ class JobBodyForm(forms.ModelForm):
             if data.get("based_on") != job.version:
                 raise forms.ValidationError(_moved_on(job))
             self.spec = job_patched_spec(spec=job.spec, patch=unmask(data["body"], job.spec))
+            dependencies_check(spec=self.spec, visible=job_list(user=self.owner), job_id=job.id)
         except serializers.ValidationError as exc:
             for line in validation_messages(exc.detail):
                 self.add_error("body", line)

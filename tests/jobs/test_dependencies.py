@@ -341,3 +341,16 @@ def test_fan_in_over_twenty_cron_boundaries_with_one_failure(user):
     [c_run] = Run.objects.filter(job=c)  # B's queued runs have not ended; the skip did
     assert (c_run.state, c_run.scheduled_for) == ("skipped", skipped.scheduled_for)
     assert c_run.skip_reason.startswith(f"upstream: job {b.id} run {skipped.id}")
+
+
+def test_the_admin_job_page_links_upstream_and_downstream(client, user):
+    from tests.factories import superuser
+
+    a = head(user)
+    b = after(user, a, within_seconds=60)
+    c = after(user, b, name="C")
+    client.force_login(superuser("dependency-admin"))
+    page = client.get(f"/admin/jobs/job/{b.id}/change/").content.decode()
+    assert f'href="/admin/jobs/job/{a.id}/change/"' in page
+    assert f'href="/admin/jobs/job/{c.id}/change/"' in page
+    assert "After each run of 1 upstream job(s) ends succeeded" in page
