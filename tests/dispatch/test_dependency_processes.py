@@ -48,9 +48,8 @@ def _assert_links(upper, lower, count):
 
 def test_a_one_time_and_a_cron_head_each_run_their_chain_once(stack, make_job):
     now = dt.datetime.now(dt.UTC)
-    once = _chain(
-        make_job, {"kind": "once", "run_at": (now + dt.timedelta(seconds=1)).isoformat()}, now
-    )
+    run_at = (now + dt.timedelta(seconds=1)).isoformat()
+    once = _chain(make_job, {"schedule": {"kind": "once", "run_at": run_at}}, now)
     # A cron head's occurrence from the past, by a one-run backfill: the path of any
     # occurrence, without waiting for a minute's boundary.
     cron = _chain(make_job, CRON_HEAD, now)
