@@ -221,14 +221,21 @@ def _lock_dependents(job_ids) -> dict[uuid.UUID, Job]:
     return {job.id: job for job in jobs}
 
 
+# A signal whose application raised waits this long before it is tried again (its
+# `created_at` moved ahead), so that it neither blocks the others nor makes the scheduler spin.
+SIGNAL_RETRY = dt.timedelta(seconds=30)
+
+
 def dependency_signals_apply(*, now: dt.datetime, limit: int) -> DecisionCounts:
-    """Consume up to `limit` signals (oldest first, FOR UPDATE SKIP LOCKED: replicas share
-    them) and apply each to the gates of its job's dependents; the signals are deleted in
-    the caller's transaction, with the runs they made. A signal whose application fails is
-    left (logged) for the next pass, and the others go on."""
+    """Consume up to `limit` signals due by `now` (oldest first, FOR UPDATE SKIP LOCKED:
+    replicas share them) and apply each to the gates of its job's dependents; the signals
+    are deleted in the caller's transaction, with the runs they made. A signal whose
+    application fails is logged and left for SIGNAL_RETRY, and the others go on."""
     counts = DecisionCounts()
     signals = list(
-        DependencySignal.objects.select_for_update(skip_locked=True).order_by("id")[:limit]
+        DependencySignal.objects.select_for_update(skip_locked=True)
+        .filter(created_at__lte=now)
+        .order_by("id")[:limit]
     )
     if not signals:
         return counts
@@ -238,7 +245,7 @@ def dependency_signals_apply(*, now: dt.datetime, limit: int) -> DecisionCounts:
     ).values_list("upstream_id", "dependent_id"):
         edges.setdefault(upstream, []).append(dependent)
     dependents = _lock_dependents({d for ds in edges.values() for d in ds})
-    done = []
+    done, failed = [], []
     for signal in signals:
         try:
             with transaction.atomic():
@@ -248,9 +255,11 @@ def dependency_signals_apply(*, now: dt.datetime, limit: int) -> DecisionCounts:
                         counts.add(dependent_occurrence_arrive(job=job, signal=signal, now=now))
         except Exception:  # noqa: BLE001 - one bad signal must not stop the others
             log.exception("dependency signal %s could not be applied", signal.id)
+            failed.append(signal.id)
             continue
         done.append(signal.id)
     DependencySignal.objects.filter(id__in=done).delete()
+    DependencySignal.objects.filter(id__in=failed).update(created_at=now + SIGNAL_RETRY)
     counts.signals = len(done)
     return counts
 
@@ -428,16 +437,20 @@ def dependency_held_release(*, now: dt.datetime, limit: int) -> DecisionCounts:
 
 
 def dependencies_next_due(*, now: dt.datetime) -> dt.datetime | None:
-    """When the dependencies step next has work: now while a signal or a held gate of an
-    active job waits; else the earliest gate deadline (each an index probe)."""
-    if DependencySignal.objects.exists():
-        return now
-    if DependencyGate.objects.filter(state=GateState.HELD, job__state=JobState.ACTIVE).exists():
-        return now
-    gate = (
+    """When the dependencies step next has work: the oldest signal's instant (a signal
+    already there when a pass began was left by it, held by another replica or set back
+    after a failure: the scheduler then waits rather than spin), now while a held gate of
+    an active job waits, else the earliest gate deadline; None: nothing."""
+    candidates = [
+        DependencySignal.objects.order_by("created_at")
+        .values_list("created_at", flat=True)
+        .first(),
         DependencyGate.objects.filter(state=GateState.WAITING, deadline_at__isnull=False)
         .order_by("deadline_at")
         .values_list("deadline_at", flat=True)
-        .first()
-    )
-    return gate
+        .first(),
+    ]
+    if DependencyGate.objects.filter(state=GateState.HELD, job__state=JobState.ACTIVE).exists():
+        candidates.append(now)
+    found = [at for at in candidates if at is not None]
+    return min(found) if found else None

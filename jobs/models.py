@@ -695,10 +695,13 @@ class DependencySignal(models.Model):
     state = models.CharField(max_length=16)
     kind = models.CharField(max_length=16)
     scheduled_for = models.DateTimeField()
+    # When it was written (the database's clock); set ahead when its application failed,
+    # to be tried again then (jobs.dependencies.SIGNAL_RETRY).
     created_at = models.DateTimeField()
 
     class Meta:
         db_table = "jobs_dependency_signal"
+        indexes = [models.Index(fields=["created_at"], name="dependency_signal_due_idx")]
 
     def __str__(self) -> str:
         return f"run {self.run_id} of {self.job_id} ended {self.state}"

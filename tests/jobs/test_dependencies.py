@@ -354,3 +354,33 @@ def test_the_admin_job_page_links_upstream_and_downstream(client, user):
     assert f'href="/admin/jobs/job/{a.id}/change/"' in page
     assert f'href="/admin/jobs/job/{c.id}/change/"' in page
     assert "After each run of 1 upstream job(s) ends succeeded" in page
+
+
+def test_a_signal_that_fails_waits_and_the_others_go_on(user, monkeypatch):
+    import jobs.dependencies as dependencies
+    from dispatch.scheduler import scheduler_next_due
+
+    a, broken = head(user), head(user, "broken")
+    b, c = after(user, a), after(user, broken, name="C")
+    scheduler_pass(PINNED_NOW)
+    end(run_of(a))
+    end(run_of(broken))
+    original = dependencies.dependent_occurrence_arrive
+
+    def arrive(*, job, signal, now):
+        if job.id == c.id:
+            raise RuntimeError("a bug")
+        return original(job=job, signal=signal, now=now)
+
+    monkeypatch.setattr(dependencies, "dependent_occurrence_arrive", arrive)
+    scheduler_pass(later(6))
+    assert run_of(b).state == "queued"
+    [left] = DependencySignal.objects.all()
+    assert left.created_at == later(6) + dependencies.SIGNAL_RETRY
+    # The scheduler sleeps until then rather than spin on it.
+    assert scheduler_next_due(now=later(7)) == later(6) + dependencies.SIGNAL_RETRY
+    monkeypatch.setattr(dependencies, "dependent_occurrence_arrive", original)
+    scheduler_pass(later(7))
+    assert run_of(c) is None
+    scheduler_pass(later(40))
+    assert run_of(c).state == "queued"
