@@ -195,11 +195,17 @@ def dependency_preview(
 
 
 @dataclasses.dataclass
-class DecisionCounts:
+class Decisions:
+    """What one batch decided: its counts, the runs it queued (their outbox rows are
+    written in one statement at the batch's end: `decisions_enqueue`) and the dependent
+    jobs' current versions, read once per job."""
+
     signals: int = 0
     runs_created: int = 0
     runs_skipped: int = 0
     held: int = 0  # complete while their job was paused
+    queued: list = dataclasses.field(default_factory=list)
+    versions: dict = dataclasses.field(default_factory=dict)
 
     def add(self, outcome: str) -> None:
         if outcome == "created":
@@ -208,6 +214,16 @@ class DecisionCounts:
             self.runs_skipped += 1
         elif outcome == "held":
             self.held += 1
+
+    def version_of(self, job: Job) -> JobVersion:
+        if job.id not in self.versions:
+            self.versions[job.id] = JobVersion.objects.get(job=job, version=job.version)
+        return self.versions[job.id]
+
+
+def decisions_enqueue(*, decisions: Decisions, now: dt.datetime) -> None:
+    """The outbox rows of the runs the batch queued, in one statement (jobs.outbox)."""
+    outbox_enqueue_runs(runs=decisions.queued, now=now)
 
 
 def _lock_dependents(job_ids) -> dict[uuid.UUID, Job]:
@@ -226,19 +242,19 @@ def _lock_dependents(job_ids) -> dict[uuid.UUID, Job]:
 SIGNAL_RETRY = dt.timedelta(seconds=30)
 
 
-def dependency_signals_apply(*, now: dt.datetime, limit: int) -> DecisionCounts:
+def dependency_signals_apply(*, now: dt.datetime, limit: int) -> Decisions:
     """Consume up to `limit` signals due by `now` (oldest first, FOR UPDATE SKIP LOCKED:
     replicas share them) and apply each to the gates of its job's dependents; the signals
     are deleted in the caller's transaction, with the runs they made. A signal whose
     application fails is logged and left for SIGNAL_RETRY, and the others go on."""
-    counts = DecisionCounts()
+    decisions = Decisions()
     signals = list(
         DependencySignal.objects.select_for_update(skip_locked=True)
         .filter(created_at__lte=now)
         .order_by("id")[:limit]
     )
     if not signals:
-        return counts
+        return decisions
     edges: dict[uuid.UUID, list[uuid.UUID]] = {}
     for upstream, dependent in JobDependency.objects.filter(
         upstream_id__in={s.job_id for s in signals}
@@ -247,39 +263,49 @@ def dependency_signals_apply(*, now: dt.datetime, limit: int) -> DecisionCounts:
     dependents = _lock_dependents({d for ds in edges.values() for d in ds})
     done, failed = [], []
     for signal in signals:
+        queued = len(decisions.queued)
         try:
             with transaction.atomic():
                 for dependent_id in edges.get(signal.job_id, ()):
                     job = dependents.get(dependent_id)
                     if job is not None:
-                        counts.add(dependent_occurrence_arrive(job=job, signal=signal, now=now))
+                        decisions.add(
+                            dependent_occurrence_arrive(
+                                job=job, signal=signal, now=now, decisions=decisions
+                            )
+                        )
         except Exception:  # noqa: BLE001 - one bad signal must not stop the others
             log.exception("dependency signal %s could not be applied", signal.id)
+            del decisions.queued[queued:]  # rolled back with the signal's savepoint
             failed.append(signal.id)
             continue
         done.append(signal.id)
     DependencySignal.objects.filter(id__in=done).delete()
-    DependencySignal.objects.filter(id__in=failed).update(created_at=now + SIGNAL_RETRY)
-    counts.signals = len(done)
-    return counts
+    if failed:
+        DependencySignal.objects.filter(id__in=failed).update(created_at=now + SIGNAL_RETRY)
+    decisions_enqueue(decisions=decisions, now=now)
+    decisions.signals = len(done)
+    return decisions
 
 
 def _gate(*, job: Job, scheduled_for: dt.datetime, kind: str, now: dt.datetime) -> DependencyGate:
-    """The gate of (job, instant, kind), created counting every upstream of the job's spec."""
-    gate, _created = DependencyGate.objects.get_or_create(
-        job=job,
-        scheduled_for=scheduled_for,
-        kind=kind,
-        defaults={"missing": len(job.spec["schedule"]["jobs"]), "created_at": now},
-    )
-    return gate
+    """The gate of (job, instant, kind), created (INSERT ... ON CONFLICT DO NOTHING)
+    counting every upstream of the job's spec."""
+    DependencyGate.objects.bulk_create(
+        [DependencyGate(job=job, scheduled_for=scheduled_for, kind=kind,
+                        missing=len(job.spec["schedule"]["jobs"]), created_at=now)],
+        ignore_conflicts=True,
+    )  # fmt: skip
+    return DependencyGate.objects.get(job=job, scheduled_for=scheduled_for, kind=kind)
 
 
 def _array_append(field: str, value) -> Func:
     return Func(F(field), Value(value), function="array_append")
 
 
-def dependent_occurrence_arrive(*, job: Job, signal: DependencySignal, now: dt.datetime) -> str:
+def dependent_occurrence_arrive(
+    *, job: Job, signal: DependencySignal, now: dt.datetime, decisions: Decisions
+) -> str:
     """Count one upstream run's end into the dependent's gate for that run's instant and
     kind, and decide the gate when this settles it. The job's row is locked by the caller.
     Returns "created", "skipped", "held" (its job is paused), "waiting" or "ignored" (a
@@ -296,6 +322,7 @@ def dependent_occurrence_arrive(*, job: Job, signal: DependencySignal, now: dt.d
     on = schedule.get("on", DEFAULT_ON)
     matches = signal.state in ON_STATES[on]
     missing = gate.missing - 1
+    reason = ""
     if not matches:
         reason = (
             f"upstream: job {signal.job_id} run {signal.run_id} ended {signal.state}"
@@ -310,6 +337,8 @@ def dependent_occurrence_arrive(*, job: Job, signal: DependencySignal, now: dt.d
     deadline = gate.deadline_at
     if deadline is None and within and state == GateState.WAITING:
         deadline = now + dt.timedelta(seconds=within)
+    # The run's id goes in with the decision (the foreign key is checked at commit).
+    run_id = uuid.uuid4() if state == GateState.DECIDED else None
     won = DependencyGate.objects.filter(
         id=gate.id, state=GateState.WAITING, missing=gate.missing
     ).update(
@@ -319,31 +348,39 @@ def dependent_occurrence_arrive(*, job: Job, signal: DependencySignal, now: dt.d
         arrived_runs=_array_append("arrived_runs", signal.run_id),
         deadline_at=deadline,
         ready_at=now if state != GateState.WAITING else None,
+        run_id=run_id,
     )
     if not won:
         return "ignored"
-    upstream_runs = [*gate.arrived_runs, signal.run_id]
-    if not matches:
-        return _decide(job=job, gate=gate, upstream_runs=upstream_runs, skip_reason=reason, now=now)
     if state == GateState.WAITING:
         return "waiting"
     if state == GateState.HELD:
         return "held"
-    return _decide(job=job, gate=gate, upstream_runs=upstream_runs, skip_reason="", now=now)
+    upstream_runs = [*gate.arrived_runs, signal.run_id]
+    return _decide(job=job, gate=gate, run_id=run_id, upstream_runs=upstream_runs,
+                   skip_reason=reason, now=now, decisions=decisions)  # fmt: skip
 
 
 def _decide(
-    *, job: Job, gate: DependencyGate, upstream_runs: list, skip_reason: str, now: dt.datetime
+    *,
+    job: Job,
+    gate: DependencyGate,
+    run_id: uuid.UUID,
+    upstream_runs: list,
+    skip_reason: str,
+    now: dt.datetime,
+    decisions: Decisions,
 ) -> str:
-    """Write the gate's run (the gate already decided by a won conditional update): queued
-    with its outbox row, or `skipped` with its reason (whose insert signals its own
-    dependents: skips propagate). "created" or "skipped"; "ignored" when the occurrence
-    has a run already (the unique constraints: a repeat is harmless)."""
+    """Write the run of a gate just decided (by a won conditional update that set its
+    `run_id`): queued (its outbox row follows with the batch's, `decisions_enqueue`), or
+    `skipped` with its reason (whose insert signals its own dependents: skips propagate).
+    An occurrence that has its run already is a unique violation: the caller's savepoint
+    rolls the decision back, and the signal is tried again, then ignored."""
     skipped = bool(skip_reason)
     run = Run(
-        id=uuid.uuid4(),
+        id=run_id,
         job=job,
-        job_version=JobVersion.objects.get(job=job, version=job.version),
+        job_version=decisions.version_of(job),
         kind=gate.kind,
         state=RunState.SKIPPED if skipped else RunState.QUEUED,
         scheduled_for=gate.scheduled_for,
@@ -354,21 +391,33 @@ def _decide(
         idempotency_key=keys.dependent_key(job.id, gate.kind, gate.scheduled_for),
         upstream_runs=upstream_runs,
     )
-    if Run.objects.filter(idempotency_key=run.idempotency_key).exists():
-        return "ignored"
     run.save(force_insert=True)
-    DependencyGate.objects.filter(id=gate.id).update(run=run)
     if skipped:
         return "skipped"
-    outbox_enqueue_runs(runs=[run], now=now)
+    decisions.queued.append(run)
     return "created"
 
 
-def dependency_deadlines_apply(*, now: dt.datetime, limit: int) -> DecisionCounts:
+def _decide_gate(
+    *, gate: DependencyGate, job: Job, from_state: str, skip_reason: str, now: dt.datetime,
+    decisions: Decisions,
+) -> None:  # fmt: skip
+    """Decide a waiting or held gate (deadline, resume) by a conditional update, then its run."""
+    run_id = uuid.uuid4()
+    if DependencyGate.objects.filter(id=gate.id, state=from_state).update(
+        state=GateState.DECIDED, ready_at=gate.ready_at or now, run_id=run_id
+    ):
+        decisions.add(
+            _decide(job=job, gate=gate, run_id=run_id, upstream_runs=list(gate.arrived_runs),
+                    skip_reason=skip_reason, now=now, decisions=decisions)
+        )  # fmt: skip
+
+
+def dependency_deadlines_apply(*, now: dt.datetime, limit: int) -> Decisions:
     """Skip up to `limit` waiting gates whose `within_seconds` has passed, through
     dependency_gate_deadline_idx (FOR UPDATE SKIP LOCKED), never reading runs. The reason
     names the first upstream run that arrived and the jobs still missing."""
-    counts = DecisionCounts()
+    decisions = Decisions()
     gates = list(
         DependencyGate.objects.select_for_update(skip_locked=True)
         .filter(state=GateState.WAITING, deadline_at__isnull=False, deadline_at__lte=now)
@@ -376,11 +425,13 @@ def dependency_deadlines_apply(*, now: dt.datetime, limit: int) -> DecisionCount
         .order_by("deadline_at")[:limit]
     )
     for gate in gates:
-        if not DependencyGate.objects.filter(id=gate.id, state=GateState.WAITING).update(
-            state=GateState.DECIDED, ready_at=now
-        ):
-            continue
         job = gate.job
+        if job.state not in (JobState.ACTIVE, JobState.PAUSED) or job.deleted_at is not None:
+            # Gone: decided without a run, so the deadline index forgets it.
+            DependencyGate.objects.filter(id=gate.id, state=GateState.WAITING).update(
+                state=GateState.DECIDED, ready_at=now
+            )
+            continue
         arrived = {str(j) for j in gate.arrived_jobs}
         absent = [str(j) for j in job.spec["schedule"].get("jobs", ()) if str(j) not in arrived]
         first_job = gate.arrived_jobs[0] if gate.arrived_jobs else None
@@ -390,19 +441,16 @@ def dependency_deadlines_apply(*, now: dt.datetime, limit: int) -> DecisionCount
             f" {job.spec['schedule'].get('within_seconds')}s (within_seconds) for"
             f" {', '.join(absent) or 'the others'}"
         )
-        if job.state in (JobState.ACTIVE, JobState.PAUSED) and job.deleted_at is None:
-            counts.add(
-                _decide(job=job, gate=gate, upstream_runs=list(gate.arrived_runs),
-                        skip_reason=reason, now=now)
-            )  # fmt: skip
-    return counts
+        _decide_gate(gate=gate, job=job, from_state=GateState.WAITING, skip_reason=reason,
+                     now=now, decisions=decisions)  # fmt: skip
+    return decisions
 
 
-def dependency_held_release(*, now: dt.datetime, limit: int) -> DecisionCounts:
+def dependency_held_release(*, now: dt.datetime, limit: int) -> Decisions:
     """Decide up to `limit` held gates of jobs active again (through
     dependency_gate_held_idx): by the job's misfire policy, counted from when each gate's
     last upstream arrived, as the occurrences a time-based job missed while paused are."""
-    counts = DecisionCounts()
+    decisions = Decisions()
     job_ids = set(
         DependencyGate.objects.filter(state=GateState.HELD, job__state=JobState.ACTIVE)
         .values_list("job_id", flat=True)
@@ -417,23 +465,16 @@ def dependency_held_release(*, now: dt.datetime, limit: int) -> DecisionCounts:
                 :limit
             ]
         )
-        if not gates:
-            continue
         # A gate per ready instant: misfire_plan keys its decisions by the instants given.
         due = [gate.ready_at + dt.timedelta(microseconds=index) for index, gate in enumerate(gates)]
         skips = misfire_plan(
             spec=job.spec, created_at=job.created_at, due=due, next_at=None, now=now
         )
         for gate, at in zip(gates, due, strict=True):
-            if not DependencyGate.objects.filter(id=gate.id, state=GateState.HELD).update(
-                state=GateState.DECIDED
-            ):
-                continue
-            counts.add(
-                _decide(job=job, gate=gate, upstream_runs=list(gate.arrived_runs),
-                        skip_reason=skips.get(at, ""), now=now)
-            )  # fmt: skip
-    return counts
+            _decide_gate(gate=gate, job=job, from_state=GateState.HELD,
+                         skip_reason=skips.get(at, ""), now=now, decisions=decisions)  # fmt: skip
+    decisions_enqueue(decisions=decisions, now=now)
+    return decisions
 
 
 def dependencies_next_due(*, now: dt.datetime) -> dt.datetime | None:

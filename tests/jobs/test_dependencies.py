@@ -367,10 +367,10 @@ def test_a_signal_that_fails_waits_and_the_others_go_on(user, monkeypatch):
     end(run_of(broken))
     original = dependencies.dependent_occurrence_arrive
 
-    def arrive(*, job, signal, now):
+    def arrive(*, job, signal, now, decisions):
         if job.id == c.id:
             raise RuntimeError("a bug")
-        return original(job=job, signal=signal, now=now)
+        return original(job=job, signal=signal, now=now, decisions=decisions)
 
     monkeypatch.setattr(dependencies, "dependent_occurrence_arrive", arrive)
     scheduler_pass(later(6))
