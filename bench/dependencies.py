@@ -120,6 +120,7 @@ def _explain(a, b) -> str:
     with transaction.atomic():
         claim_plan = (
             DependencySignal.objects.select_for_update(skip_locked=True)
+            .filter(created_at__lte=at)
             .order_by("id")[:500]
             .explain(analyze=True, buffers=True)
         )
