@@ -11,7 +11,7 @@ from cron_descriptor import ExpressionDescriptor, Options
 from django.urls import reverse
 
 from .. import schedules
-from ..dependencies import dependency_graph
+from ..dependencies import dependency_graph, dependency_preview, is_dependent
 from ..models import Attempt, Job, Run
 from ..redaction import redact, redact_value
 from ..selectors import job_history, run_history
@@ -112,7 +112,17 @@ def policy_words(spec: dict) -> list[str]:
 def job_page(*, job: Job, now: dt.datetime) -> dict:
     """The job page's context: schedule, next fires, recent runs, history."""
     fires, fires_problem = [], ""
-    if job_is_editable(job=job):
+    if job_is_editable(job=job) and is_dependent(job.spec):
+        # No times of its own: the instants its upstreams share (each runs on their ends).
+        visible = Job.objects.filter(deleted_at=None)
+        upstreams = list(visible.filter(id__in=job.spec["schedule"]["jobs"]))
+        fires = [
+            {"at": at, "local": at.isoformat(), "dst": "", "doubled": False}
+            for at in dependency_preview(
+                upstreams=upstreams, visible=visible, after=now, count=NEXT_FIRES
+            )
+        ]
+    elif job_is_editable(job=job):
         try:
             fires = schedules.job_preview(job=job, after=now, count=NEXT_FIRES)
         except schedules.ScheduleError as exc:

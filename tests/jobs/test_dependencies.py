@@ -361,6 +361,9 @@ def test_the_admin_job_page_links_upstream_and_downstream(client, user):
     assert f'href="/admin/jobs/job/{a.id}/change/"' in page
     assert f'href="/admin/jobs/job/{c.id}/change/"' in page
     assert "After each run of 1 upstream job(s) ends succeeded" in page
+    # Its next fires are its upstream's next occurrences (A fires every minute).
+    fires = page.split('id="next-fires"')[1].split("</table>")[0]
+    assert fires.count("<tr><td>20") == 10
 
 
 def test_a_signal_that_fails_waits_and_the_others_go_on(user, monkeypatch):
