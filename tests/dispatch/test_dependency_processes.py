@@ -46,29 +46,6 @@ def _assert_links(upper, lower, count):
         assert run.started_at >= parent.finished_at
 
 
-def test_a_one_time_and_a_cron_head_each_run_their_chain_once(stack, make_job):
-    now = dt.datetime.now(dt.UTC)
-    run_at = (now + dt.timedelta(seconds=1)).isoformat()
-    once = _chain(make_job, {"schedule": {"kind": "once", "run_at": run_at}}, now)
-    # A cron head's occurrence from the past, by a one-run backfill: the path of any
-    # occurrence, without waiting for a minute's boundary.
-    cron = _chain(make_job, CRON_HEAD, now)
-    minute = now.replace(second=0, microsecond=0)
-    instants = backfill_occurrences(job=cron[0], start=minute - dt.timedelta(minutes=1), end=minute)
-    assert job_backfill(job=cron[0], instants=instants, actor=cron[0].owner, now=now)
-    stack.scheduler()
-    stack.relay()
-    stack.worker()
-    wait_for(lambda: Run.objects.filter(job__in=[once[2], cron[2]], state="succeeded").count() == 2,
-             timeout=90, message="both chains' C runs")  # fmt: skip
-    time.sleep(1.5)  # nothing more comes
-    for a, b, c in (once, cron):
-        _assert_links(a, b, 1)
-        _assert_links(b, c, 1)
-    assert Run.objects.get(job=cron[2]).kind == "backfill"  # the head's kind travels down
-    assert Job.objects.get(id=once[1].id).state == "active"  # never completed for it
-
-
 @pytest.mark.drill
 def test_a_hundred_head_runs_give_a_hundred_of_each_through_kills_and_a_restart(stack, make_job):
     now = dt.datetime.now(dt.UTC)
@@ -100,3 +77,60 @@ def test_a_hundred_head_runs_give_a_hundred_of_each_through_kills_and_a_restart(
     time.sleep(3)
     _assert_links(a, b, 100)
     _assert_links(b, c, 100)
+
+
+def test_a_one_time_chain_and_a_fan_in_over_twenty_cron_boundaries(stack, make_job):
+    """A one-time head's chain runs once, each link after the one above finished. B after
+    A1 and A2, twenty minute boundaries of their cron (backfilled, so the test need not
+    wait for them): twenty B runs, none started before both of its upstream runs finished;
+    A2 fails one occurrence, so B and then C are skipped there, naming why."""
+    now = dt.datetime.now(dt.UTC)
+    run_at = (now + dt.timedelta(seconds=1)).isoformat()
+    once = _chain(make_job, {"schedule": {"kind": "once", "run_at": run_at}}, now)
+    minute = now.replace(second=0, microsecond=0)
+    start = minute - dt.timedelta(minutes=20)
+    failing = start + dt.timedelta(minutes=7)
+    a1 = make_job(now=now, name="A1", task="tests.record", **CRON_HEAD)
+    a2 = make_job(now=now, name="A2", task="tests.fail_at",
+                  kwargs={"instant": failing.isoformat()}, retry={"max_attempts": 1},
+                  **CRON_HEAD)  # fmt: skip
+    b = make_job(now=now, name="B", task="tests.record",
+                 schedule={"kind": "after", "jobs": [str(a1.id), str(a2.id)]})  # fmt: skip
+    c = make_job(now=now, name="C", task="tests.record",
+                 schedule={"kind": "after", "jobs": [str(b.id)]})  # fmt: skip
+    for head in (a1, a2):
+        instants = backfill_occurrences(job=head, start=start, end=minute)
+        assert len(instants) == 20
+        assert job_backfill(job=head, instants=instants, actor=head.owner, now=now)
+    stack.scheduler()
+    stack.relay()
+    stack.worker(concurrency=4)
+
+    def decided(job):
+        return Run.objects.filter(job=job, state__in=["succeeded", "failed", "skipped"]).count()
+
+    wait_for(lambda: decided(c) == 20 and decided(once[2]) == 1, timeout=240, interval=0.5,
+             message="20 C runs and the one-time chain's decided")  # fmt: skip
+    time.sleep(1)  # nothing more comes
+    _assert_links(once[0], once[1], 1)
+    _assert_links(once[1], once[2], 1)
+    assert Job.objects.get(id=once[1].id).state == "active"  # never completed for it
+    uppers = {(run.job_id, run.scheduled_for): run for run in Run.objects.filter(job__in=[a1, a2])}
+    b_runs = list(Run.objects.filter(job=b))
+    assert len(b_runs) == 20
+    for run in b_runs:
+        ends = [uppers[(job.id, run.scheduled_for)] for job in (a1, a2)]
+        assert run.kind == "backfill" and set(run.upstream_runs) <= {e.id for e in ends}
+        if run.scheduled_for == failing:
+            failed = uppers[(a2.id, failing)]
+            assert failed.state == RunState.FAILED
+            assert run.state == RunState.SKIPPED
+            assert run.skip_reason.startswith(f"upstream: job {a2.id} run {failed.id} ended failed")
+            skipped_b = run
+        else:
+            assert run.state == RunState.SUCCEEDED
+            assert run.started_at >= max(e.finished_at for e in ends)
+    c_skip = Run.objects.get(job=c, scheduled_for=failing)
+    assert c_skip.state == RunState.SKIPPED
+    assert c_skip.skip_reason.startswith(f"upstream: job {b.id} run {skipped_b.id} ended skipped")
+    assert Run.objects.filter(job=c, state=RunState.SUCCEEDED).count() == 19
