@@ -96,10 +96,12 @@ class Job(models.Model):
             models.Index(fields=["owner", "created_at"], name="job_owner_idx"),
             # Jobs whose schedule is over and that are not completed yet: the completer's
             # safety net reads these only (dispatch.completer).
+            # A job of kind `after` has no next_run_at and is never over: not in it.
             models.Index(
                 fields=["id"],
                 name="job_awaiting_completion_idx",
-                condition=Q(state="active", next_run_at=None, deleted_at=None),
+                condition=Q(state="active", next_run_at=None, deleted_at=None)
+                & ~Q(spec__schedule__kind="after"),
             ),
         ]
         # The admin's actions (jobs/admin_actions.py) each need one of these.
