@@ -356,9 +356,8 @@ def dependent_occurrence_arrive(
         return "waiting"
     if state == GateState.HELD:
         return "held"
-    upstream_runs = [*gate.arrived_runs, signal.run_id]
-    return _decide(job=job, gate=gate, run_id=run_id, upstream_runs=upstream_runs,
-                   skip_reason=reason, now=now, decisions=decisions)  # fmt: skip
+    return _decide(job=job, gate=gate, run_id=run_id, skip_reason=reason, now=now,
+                   decisions=decisions)  # fmt: skip
 
 
 def _decide(
@@ -366,7 +365,6 @@ def _decide(
     job: Job,
     gate: DependencyGate,
     run_id: uuid.UUID,
-    upstream_runs: list,
     skip_reason: str,
     now: dt.datetime,
     decisions: Decisions,
@@ -389,7 +387,6 @@ def _decide(
         finished_at=now if skipped else None,
         skip_reason=skip_reason[:200],
         idempotency_key=keys.dependent_key(job.id, gate.kind, gate.scheduled_for),
-        upstream_runs=upstream_runs,
     )
     run.save(force_insert=True)
     if skipped:
@@ -408,8 +405,8 @@ def _decide_gate(
         state=GateState.DECIDED, ready_at=gate.ready_at or now, run_id=run_id
     ):
         decisions.add(
-            _decide(job=job, gate=gate, run_id=run_id, upstream_runs=list(gate.arrived_runs),
-                    skip_reason=skip_reason, now=now, decisions=decisions)
+            _decide(job=job, gate=gate, run_id=run_id, skip_reason=skip_reason, now=now,
+                    decisions=decisions)
         )  # fmt: skip
 
 
@@ -475,6 +472,15 @@ def dependency_held_release(*, now: dt.datetime, limit: int) -> Decisions:
                          skip_reason=skips.get(at, ""), now=now, decisions=decisions)  # fmt: skip
     decisions_enqueue(decisions=decisions, now=now)
     return decisions
+
+
+def dependency_upstream_runs(*, run: Run) -> list[uuid.UUID]:
+    """The upstream runs whose ends decided this run (its gate's `arrived_runs`), in their
+    order of arrival; none for a run not made by a gate. Reads the prefetched
+    `dependency_gates` when the run has them (jobs.selectors.run_list), else one probe of
+    the gate's `run` index."""
+    gates = run.dependency_gates.all()
+    return [run_id for gate in gates for run_id in gate.arrived_runs]
 
 
 def dependencies_next_due(*, now: dt.datetime) -> dt.datetime | None:

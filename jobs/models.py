@@ -175,9 +175,6 @@ class Run(models.Model):
     retry_base = models.PositiveIntegerField(default=0)
     # Times reconciliation re-published this run because its message never reached a worker.
     republish_count = models.PositiveIntegerField(default=0)
-    # The upstream runs whose ends created this run (a schedule of kind `after`,
-    # jobs.dependencies); empty for every other run.
-    upstream_runs = ArrayField(models.UUIDField(), null=True, blank=True)
 
     class Meta:
         indexes = [
@@ -735,8 +732,10 @@ class DependencyGate(models.Model):
     created_at = models.DateTimeField()
     # When its last upstream arrived (held gates: the misfire policy counts from here).
     ready_at = models.DateTimeField(null=True, blank=True)
+    # The run it decided (queued or skipped): its upstream runs are `arrived_runs`
+    # (jobs.dependencies.dependency_upstream_runs; the API's `upstream_runs`).
     run = models.ForeignKey(
-        Run, null=True, blank=True, on_delete=models.SET_NULL, related_name="+", db_index=False
+        Run, null=True, blank=True, on_delete=models.SET_NULL, related_name="dependency_gates"
     )
 
     class Meta:

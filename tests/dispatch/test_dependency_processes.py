@@ -9,6 +9,7 @@ import time
 
 import pytest
 
+from jobs.dependencies import dependency_upstream_runs
 from jobs.models import Job, Run, RunState
 from jobs.schedules import backfill_occurrences
 from jobs.services import job_backfill
@@ -32,6 +33,10 @@ def _chain(make_job, head, now):
     return a, b, c
 
 
+def upstream_of(run):
+    return dependency_upstream_runs(run=run)
+
+
 def _assert_links(upper, lower, count):
     """Each run of `lower` lists its run of `upper`, has its instant and kind, and started
     after it finished; `count` of each, all succeeded."""
@@ -40,7 +45,7 @@ def _assert_links(upper, lower, count):
     assert len(uppers) == len(lowers) == count
     for run in lowers:
         assert run.state == RunState.SUCCEEDED
-        [parent_id] = run.upstream_runs
+        [parent_id] = upstream_of(run)
         parent = uppers[parent_id]
         assert (parent.scheduled_for, parent.kind) == (run.scheduled_for, run.kind)
         assert run.started_at >= parent.finished_at
@@ -120,7 +125,7 @@ def test_a_one_time_chain_and_a_fan_in_over_twenty_cron_boundaries(stack, make_j
     assert len(b_runs) == 20
     for run in b_runs:
         ends = [uppers[(job.id, run.scheduled_for)] for job in (a1, a2)]
-        assert run.kind == "backfill" and set(run.upstream_runs) <= {e.id for e in ends}
+        assert run.kind == "backfill" and set(upstream_of(run)) <= {e.id for e in ends}
         if run.scheduled_for == failing:
             failed = uppers[(a2.id, failing)]
             assert failed.state == RunState.FAILED
