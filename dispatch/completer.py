@@ -81,7 +81,10 @@ def completer_run_once(
 
 
 def _awaiting(jobs):
-    return jobs.filter(state=JobState.ACTIVE, next_run_at=None, deleted_at=None)
+    # The predicate of job_awaiting_completion_idx: jobs of kind `after` are never over.
+    return jobs.filter(state=JobState.ACTIVE, next_run_at=None, deleted_at=None).exclude(
+        spec__schedule__kind="after"
+    )
 
 
 def _finished(jobs):

@@ -3,7 +3,8 @@
 1. the materializer (dispatch.materializer): due occurrences -> runs, by the job's misfire,
    overlap, jitter and pause_after_failures policies;
 2. the promoter (dispatch.promoter): due retries and due, free `pending` runs -> queued;
-3. the completer (dispatch.completer): jobs whose schedule is over -> completed.
+3. the dependencies step (dispatch.dependencies): ends of upstream runs -> dependent runs;
+4. the completer (dispatch.completer): jobs whose schedule is over -> completed.
 
 Each step is a bounded batch in its own transaction(s). `manage.py scheduler` loops this
 pass, sleeping until the next due instant (`scheduler_sleep_seconds`, `SchedulerWake`: to
@@ -23,12 +24,14 @@ from django.db import DatabaseError
 from django.db.models import Min
 
 from jobs.clock import db_now
+from jobs.dependencies import dependencies_next_due
 from jobs.models import Job, JobState, Run, RunState
 from jobs.notify import notified_instant
 from jobs.partitions import PartitionScope, in_partitions, partitions_held
 
 from .completer import CompleterConfig, CompleterResult, CompleterWindow, completer_run_once
 from .config import config_require
+from .dependencies import DependenciesConfig, dependencies_run_once
 from .materializer import MaterializerConfig, materializer_run_once
 from .promoter import PromoterConfig, promoter_run_once
 from .wakeup import Listener
@@ -61,6 +64,8 @@ class SchedulerResult:
     runs_released: int = 0  # pending runs queued because they became due and free
     jobs_completed: int = 0
     jobs_paused: int = 0  # by pause_after_failures
+    dependent_runs_created: int = 0  # by the ends of their upstream runs
+    dependent_runs_skipped: int = 0
 
 
 def scheduler_run_once(
@@ -77,10 +82,14 @@ def scheduler_run_once(
         now=now, config=PromoterConfig(batch_size=config.batch_size, scope=config.scope)
     )
     marks.append(time.monotonic())
+    dependents = dependencies_run_once(
+        now=now, config=DependenciesConfig(batch_size=config.batch_size)
+    )
+    marks.append(time.monotonic())
     # Completion can wait for a backlog of due work: it is the safety net behind the
     # trigger that completes a job with its last run (a bounded window of the jobs awaiting
     # completion), and no run starts sooner for it.
-    backlog = materialized.batch_full or promoted.batch_full
+    backlog = materialized.batch_full or promoted.batch_full or dependents.batch_full
     completed = (
         CompleterResult()
         if backlog
@@ -92,7 +101,12 @@ def scheduler_run_once(
     )
     marks.append(time.monotonic())
     if marks[-1] - marks[0] > SLOW_PASS_SECONDS:
-        steps = zip(("materializer", "promoter", "completer"), marks, marks[1:], strict=False)
+        steps = zip(
+            ("materializer", "promoter", "dependencies", "completer"),
+            marks,
+            marks[1:],
+            strict=False,
+        )
         log.warning(
             "slow scheduler pass (%s): %d runs created",
             ", ".join(f"{name} {end - start:.2f}s" for name, start, end in steps),
@@ -101,11 +115,13 @@ def scheduler_run_once(
     return SchedulerResult(
         runs_created=materialized.runs_created,
         retries_queued=promoted.retries_queued,
-        batch_full=materialized.batch_full or promoted.batch_full or completed.batch_full,
+        batch_full=backlog or completed.batch_full,
         runs_skipped=materialized.runs_skipped,
         runs_released=promoted.runs_released,
         jobs_completed=completed.jobs_completed,
         jobs_paused=materialized.jobs_paused,
+        dependent_runs_created=dependents.runs_created,
+        dependent_runs_skipped=dependents.runs_skipped,
     )
 
 
@@ -129,7 +145,8 @@ def scheduler_next_due(
     jitter_due = runs.filter(state=RunState.PENDING, due_at__gt=now).aggregate(at=Min("due_at"))[
         "at"
     ]
-    candidates = [at for at in (job_due, retry_due, jitter_due) if at is not None]
+    dependents_due = dependencies_next_due(now=now)
+    candidates = [at for at in (job_due, retry_due, jitter_due, dependents_due) if at is not None]
     return min(candidates) if candidates else None
 
 

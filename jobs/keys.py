@@ -27,3 +27,14 @@ def backfill_key(job_id, scheduled_for: dt.datetime) -> str:
 def manual_key(job_id) -> str:
     """A manual trigger: each one is a run of its own."""
     return f"{job_id}:manual:{uuid.uuid4().hex}"
+
+
+def dependent_key(job_id, kind: str, scheduled_for: dt.datetime) -> str:
+    """A run created by its upstreams' ends (jobs.dependencies): one per (job, kind,
+    instant), so a repeated signal makes none; scheduled and backfill runs take the keys
+    their kind's occurrences have."""
+    if kind == "backfill":
+        return backfill_key(job_id, scheduled_for)
+    if kind == "manual":
+        return f"{job_id}:manual:{_instant(scheduled_for)}"
+    return occurrence_key(job_id, scheduled_for)

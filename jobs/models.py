@@ -101,10 +101,12 @@ class Job(models.Model):
             models.Index(fields=["owner", "created_at"], name="job_owner_idx"),
             # Jobs whose schedule is over and that are not completed yet: the completer's
             # safety net reads these only (dispatch.completer).
+            # A job of kind `after` has no next_run_at and is never over: not in it.
             models.Index(
                 fields=["id"],
                 name="job_awaiting_completion_idx",
-                condition=Q(state="active", next_run_at=None, deleted_at=None),
+                condition=Q(state="active", next_run_at=None, deleted_at=None)
+                & ~Q(spec__schedule__kind="after"),
             ),
         ]
         # The admin's actions (jobs/admin_actions.py) each need one of these.
@@ -948,3 +950,105 @@ class WebhookAttempt(models.Model):
 
     def __str__(self) -> str:
         return f"attempt {self.number} of {self.delivery_id}"
+
+
+# -- dependencies between jobs (jobs.dependencies) ---------------------------------------
+
+
+class JobDependency(models.Model):
+    """An edge of the dependency graph: `dependent` (a job whose schedule is of kind `after`)
+    runs when `upstream`'s runs end. Rewritten with the dependent's version; a run's end
+    finds its job's dependents through `job_dependency_upstream_idx`, never its history."""
+
+    dependent = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="+", db_index=False)
+    upstream = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="+", db_index=False)
+
+    class Meta:
+        db_table = "jobs_dependency"
+        constraints = [
+            models.UniqueConstraint(fields=["dependent", "upstream"], name="job_dependency_unique"),
+        ]
+        indexes = [models.Index(fields=["upstream"], name="job_dependency_upstream_idx")]
+
+    def __str__(self) -> str:
+        return f"{self.dependent_id} after {self.upstream_id}"
+
+
+class DependencySignal(models.Model):
+    """A run of a job that has dependents reached a terminal state: written by the trigger
+    `run_ended_signals_dependents` (storage.dependencies) in the transaction of that
+    transition, whatever made it; consumed (and deleted) by the scheduler's dependencies
+    step (dispatch.dependencies) in the transaction that records its effect."""
+
+    id = models.BigAutoField(primary_key=True)
+    run_id = models.UUIDField()
+    job_id = models.UUIDField()
+    state = models.CharField(max_length=16)
+    kind = models.CharField(max_length=16)
+    scheduled_for = models.DateTimeField()
+    # When it was written (the database's clock); set ahead when its application failed,
+    # to be tried again then (jobs.dependencies.SIGNAL_RETRY).
+    created_at = models.DateTimeField()
+
+    class Meta:
+        db_table = "jobs_dependency_signal"
+        indexes = [models.Index(fields=["created_at"], name="dependency_signal_due_idx")]
+
+    def __str__(self) -> str:
+        return f"run {self.run_id} of {self.job_id} ended {self.state}"
+
+
+class GateState(models.TextChoices):
+    """A dependent occurrence's gate; each comment names what moves it on."""
+
+    WAITING = "waiting"  # upstreams missing: their signals, or the deadline (within_seconds)
+    HELD = "held"  # complete while its job was paused: decided by misfire policy on resume
+    DECIDED = "decided"  # terminal: its run (or skipped run) exists, or its job was gone
+
+
+class DependencyGate(models.Model):
+    """One occurrence of a dependent job: (job, instant, kind), counting the upstreams still
+    missing. Decided exactly once: every change is a conditional update on `state`, made
+    while the row is locked (jobs.dependencies)."""
+
+    id = models.BigAutoField(primary_key=True)
+    job = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="+", db_index=False)
+    scheduled_for = models.DateTimeField()
+    kind = models.CharField(max_length=16, choices=RunKind.choices)
+    state = models.CharField(max_length=16, choices=GateState.choices, default=GateState.WAITING)
+    missing = models.PositiveIntegerField()
+    arrived_jobs = ArrayField(models.UUIDField(), default=list)
+    arrived_runs = ArrayField(models.UUIDField(), default=list)
+    # When the first upstream arrived, plus within_seconds: the deadline loop skips it then.
+    deadline_at = models.DateTimeField(null=True, blank=True)
+    created_at = models.DateTimeField()
+    # When its last upstream arrived (held gates: the misfire policy counts from here).
+    ready_at = models.DateTimeField(null=True, blank=True)
+    # The run it decided (queued or skipped): its upstream runs are `arrived_runs`
+    # (jobs.dependencies.dependency_upstream_runs; the API's `upstream_runs`).
+    run = models.ForeignKey(
+        Run, null=True, blank=True, on_delete=models.SET_NULL, related_name="dependency_gates"
+    )
+
+    class Meta:
+        db_table = "jobs_dependency_gate"
+        constraints = [
+            models.UniqueConstraint(
+                fields=["job", "scheduled_for", "kind"], name="dependency_gate_unique"
+            ),
+        ]
+        indexes = [
+            models.Index(
+                fields=["deadline_at"],
+                name="dependency_gate_deadline_idx",
+                condition=Q(state="waiting", deadline_at__isnull=False),
+            ),
+            models.Index(
+                fields=["job", "ready_at"],
+                name="dependency_gate_held_idx",
+                condition=Q(state="held"),
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return f"gate {self.job_id} at {self.scheduled_for:%Y-%m-%d %H:%M:%S} ({self.state})"

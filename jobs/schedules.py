@@ -211,6 +211,8 @@ def _occurrences(
 ) -> Iterator[Occurrence]:
     """The occurrences of `occurrences`, before its errors are translated."""
     kind = schedule["kind"]
+    if kind == "after":  # fires on its upstreams' ends, never at a time (jobs.dependencies)
+        return
     if kind == "once":
         run_at = schedule_run_at(schedule)
         if run_at > after:

@@ -91,7 +91,8 @@ def job_get(*, user: AbstractBaseUser, job_id) -> Job | None:
 
 def run_list(*, user: AbstractBaseUser, filters: dict | None = None) -> QuerySet[Run]:
     runs = Run.objects.select_related("job_version").prefetch_related(
-        Prefetch("attempts", queryset=Attempt.objects.order_by("number"))
+        Prefetch("attempts", queryset=Attempt.objects.order_by("number")),
+        "dependency_gates",  # upstream_runs (jobs.dependencies): one query per page
     )
     if not _sees_everything(user):
         runs = runs.filter(job__owner=user)

@@ -19,6 +19,7 @@ from .audit import audit_event, audit_record
 from .calendar_services import job_calendars_check, job_calendars_link
 from .clock import db_now
 from .counters import counter_increment
+from .dependencies import dependency_edges_write, is_dependent
 from .models import (
     BackfilledOccurrences,
     Job,
@@ -160,6 +161,9 @@ def job_create_bulk(
              for job in jobs],
         ])  # fmt: skip
         job_calendars_link(jobs=naming)
+        for job in jobs:
+            if is_dependent(job.spec):  # a new job: nothing depends on it, so no cycle
+                dependency_edges_write(job_id=job.id, spec=job.spec, check_cycle=False)
         firsts = [job.next_run_at for job in jobs if job.next_run_at is not None]
         if firsts:
             notify(CHANNEL_SCHEDULE, at=min(firsts))
@@ -278,6 +282,9 @@ def job_update(
         )
         if relinked:
             job_calendars_link(jobs=relinked, replace=True)
+        if is_dependent(spec) or is_dependent(job.spec):
+            # DependencyCycle rolls the whole edit back (a concurrent edit closed one).
+            dependency_edges_write(job_id=job.id, spec=spec)
         if fields.get("next_run_at") is not None:
             notify(CHANNEL_SCHEDULE, at=fields["next_run_at"])  # perhaps earlier now
         audit_record(action="job.updated", actor=actor, job_id=job.id,
@@ -323,7 +330,7 @@ def job_resume(*, job: Job, actor: AbstractBaseUser, now: dt.datetime) -> bool:
     not paused.
     """
     fields = {}
-    if job.next_run_at is None and job.spec["schedule"]["kind"] != "once":
+    if job.next_run_at is None and job.spec["schedule"]["kind"] not in ("once", "after"):
         last = Run.objects.filter(job=job, kind=RunKind.SCHEDULED).aggregate(
             at=Max("scheduled_for")
         )["at"]

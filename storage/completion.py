@@ -22,21 +22,20 @@ from .sql import fetch_all
 ACTIVE = "('pending', 'queued', 'retry_wait', 'running')"
 TERMINAL = "('cancelled', 'failed', 'skipped', 'succeeded')"
 
-# The job's row is taken SKIP LOCKED: a trigger or backfill that holds it is about to add a
-# run, and the completer's safety net looks again later. Its runs are read after the lock,
-# in a statement of their own (a new snapshot): a run its previous holder added is seen.
-# About one primary key probe per call (none locked for a recurring job: its next_run_at is
-# set).
-JOB_COMPLETION = Ddl(
-    create=f"""
-CREATE FUNCTION scheduler_job_complete_if_finished(p_job_id uuid, p_now timestamptz)
+# The rule, written once. `spare` empty: as jobs/migrations/0003 installed it. A job of
+# schedule kind `after` has no next_run_at and is never over (its runs come from its
+# upstreams' ends: jobs.dependencies), so JOB_COMPLETION_SPARES_AFTER (installed by
+# jobs/migrations/0004_dependencies.py, its drop restoring the first form) leaves it active.
+_COMPLETE_IF_FINISHED = """
+CREATE OR REPLACE FUNCTION scheduler_job_complete_if_finished(p_job_id uuid, p_now timestamptz)
     RETURNS boolean LANGUAGE plpgsql SET plan_cache_mode = force_generic_plan AS $$
 BEGIN
     PERFORM 1 FROM jobs_job
      WHERE id = p_job_id AND state = 'active' AND next_run_at IS NULL AND deleted_at IS NULL
+       {spare}
        FOR NO KEY UPDATE SKIP LOCKED;
     IF NOT FOUND OR EXISTS (SELECT 1 FROM jobs_run
-                             WHERE job_id = p_job_id AND state IN {ACTIVE}) THEN
+                             WHERE job_id = p_job_id AND state IN {active}) THEN
         RETURN false;
     END IF;
     UPDATE jobs_job SET state = 'completed', updated_at = p_now WHERE id = p_job_id;
@@ -44,7 +43,15 @@ BEGIN
     VALUES (p_now, 'system:scheduler', 'job.completed', p_job_id, '{{}}');
     RETURN true;
 END $$;
-
+"""
+# The job's row is taken SKIP LOCKED: a trigger or backfill that holds it is about to add a
+# run, and the completer's safety net looks again later. Its runs are read after the lock,
+# in a statement of their own (a new snapshot): a run its previous holder added is seen.
+# About one primary key probe per call (none locked for a recurring job: its next_run_at is
+# set).
+JOB_COMPLETION = Ddl(
+    create=_COMPLETE_IF_FINISHED.format(spare="", active=ACTIVE)
+    + f"""
 -- A run that just ended completes its job, in the statement that ended it; a run ending
 -- while another of its job is still active leaves the job to that one's ending.
 CREATE FUNCTION scheduler_run_ended_completes_job() RETURNS trigger LANGUAGE plpgsql
@@ -62,6 +69,14 @@ DROP TRIGGER run_ended_completes_job ON jobs_run;
 DROP FUNCTION scheduler_run_ended_completes_job();
 DROP FUNCTION scheduler_job_complete_if_finished(uuid, timestamptz);
 """,
+)
+
+
+JOB_COMPLETION_SPARES_AFTER = Ddl(
+    create=_COMPLETE_IF_FINISHED.format(
+        spare="AND spec->'schedule'->>'kind' IS DISTINCT FROM 'after'", active=ACTIVE
+    ),
+    drop=_COMPLETE_IF_FINISHED.format(spare="", active=ACTIVE),
 )
 
 

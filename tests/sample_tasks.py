@@ -1,6 +1,7 @@
 """Tasks the test suite schedules. Each execution appends a line to the handler's own
 record (SAMPLE_TASK_RECORD, a file), which the tests read to count executions."""
 
+import datetime as dt
 import json
 import os
 import time
@@ -57,3 +58,12 @@ def record_packed(ctx, *args, **kwargs):
     """tests.record for short runs: up to 20 travel in one broker message."""
     _record(ctx, "executed", args=list(args), kwargs=kwargs)
     return {"ok": True, "args": list(args)}
+
+
+@job_task(name="tests.fail_at")
+def fail_at(ctx, instant=""):
+    """tests.record, but raises for the run of the occurrence `instant` (ISO 8601)."""
+    _record(ctx, "executed")
+    if instant and ctx.scheduled_for == dt.datetime.fromisoformat(instant):
+        raise RuntimeError(f"failing the occurrence {instant} on purpose")
+    return {"ok": True}

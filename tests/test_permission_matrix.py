@@ -57,6 +57,7 @@ ROUTES = {
     "api/v1/jobs/<uuid:job_id>/": Row(("GET", "PATCH", "DELETE"), "tenant"),
     "api/v1/jobs/<uuid:job_id>/runs/": Row(("GET",), "tenant"),
     "api/v1/jobs/<uuid:job_id>/history/": Row(("GET",), "tenant"),
+    "api/v1/jobs/<uuid:job_id>/graph/": Row(("GET",), "tenant"),
     "api/v1/jobs/<uuid:job_id>/pause/": Row(("POST",), "tenant"),
     "api/v1/jobs/<uuid:job_id>/resume/": Row(("POST",), "tenant"),
     "api/v1/jobs/<uuid:job_id>/trigger/": Row(("POST",), "tenant"),

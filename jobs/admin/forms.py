@@ -18,13 +18,14 @@ from django.template.response import TemplateResponse
 from rest_framework import serializers
 
 from ..api.refusals import refusal
-from ..api.validation import job_patched_spec, job_spec_check
+from ..api.validation import dependencies_check, job_patched_spec, job_spec_check
 from ..calendar_services import job_calendars_check
 from ..calendars import CalendarRefused
 from ..clock import db_now
 from ..models import Job
 from ..redaction import redact_value, unmask
 from ..registry import registered_task_names
+from ..selectors import job_list
 from ..services import JobQuotaExceeded, job_create, job_is_editable, job_quota_check, job_update
 
 EXAMPLE_BODY = {
@@ -98,6 +99,7 @@ class JobBodyForm(forms.ModelForm):
         try:
             if job._state.adding:
                 self.spec, _ = job_spec_check(data["body"], now=db_now())
+                dependencies_check(spec=self.spec, visible=job_list(user=self.owner))
                 job_quota_check(owner=self.owner, adding=1)  # as the API answers 429
                 job_calendars_check(jobs=[Job(owner_id=self.owner.pk, spec=self.spec)])
                 return data
@@ -107,6 +109,7 @@ class JobBodyForm(forms.ModelForm):
                 raise forms.ValidationError(_moved_on(job))
             self.spec = job_patched_spec(spec=job.spec, patch=unmask(data["body"], job.spec))
             job_calendars_check(jobs=[Job(id=job.id, owner_id=job.owner_id, spec=self.spec)])
+            dependencies_check(spec=self.spec, visible=job_list(user=self.owner), job_id=job.id)
         except serializers.ValidationError as exc:
             for line in validation_messages(exc.detail):
                 self.add_error("body", line)

@@ -11,6 +11,7 @@ from cron_descriptor import ExpressionDescriptor, Options
 from django.urls import reverse
 
 from .. import schedules
+from ..dependencies import dependency_graph, dependency_preview, is_dependent
 from ..models import Attempt, Job, Run
 from ..occurrences import job_occurrences
 from ..redaction import redact, redact_value
@@ -39,6 +40,11 @@ DST_FLAG_WORDS = {
     "fold_first": "first of a repeated local time",
     "fold_second": "second of a repeated local time",
 }
+ON_WORDS = {
+    "succeeded": "succeeded",
+    "failed": "failed (after its retries)",
+    "finished": "succeeded or failed",
+}
 UNITS = [(86400, "day"), (3600, "hour"), (60, "minute"), (1, "second")]
 
 
@@ -59,6 +65,13 @@ def schedule_words(spec: dict) -> str:
     schedule = spec["schedule"]
     if schedule["kind"] == "once":
         words = f"Once, at {_instant(schedule['run_at'])}"
+    elif schedule["kind"] == "after":
+        words = (
+            f"After each run of {len(schedule['jobs'])} upstream job(s) ends "
+            f"{ON_WORDS[schedule.get('on', 'succeeded')]}, for the same instant"
+        )
+        if schedule.get("within_seconds"):
+            words += f"; all within {schedule['within_seconds']} s of the first"
     elif schedule["kind"] == "interval":
         anchor = "start_at" if spec.get("start_at") else "the job's creation"
         words = f"{_every(schedule['every_seconds']).capitalize()}, counted from {anchor}"
@@ -103,7 +116,17 @@ def policy_words(spec: dict) -> list[str]:
 def job_page(*, job: Job, now: dt.datetime) -> dict:
     """The job page's context: schedule, next fires, recent runs, history."""
     fires, fires_problem = [], ""
-    if job_is_editable(job=job):
+    if job_is_editable(job=job) and is_dependent(job.spec):
+        # No times of its own: the instants its upstreams share (each runs on their ends).
+        visible = Job.objects.filter(deleted_at=None)
+        upstreams = list(visible.filter(id__in=job.spec["schedule"]["jobs"]))
+        fires = [
+            {"at": at, "local": at.isoformat(), "dst": "", "doubled": False}
+            for at in dependency_preview(
+                upstreams=upstreams, visible=visible, after=now, count=NEXT_FIRES
+            )
+        ]
+    elif job_is_editable(job=job):
         try:
             fires = schedules.job_preview(job=job, after=now, count=NEXT_FIRES)
         except schedules.ScheduleError as exc:
@@ -136,6 +159,8 @@ def job_page(*, job: Job, now: dt.datetime) -> dict:
         ),
         "runs_url": reverse("admin:jobs_run_changelist") + f"?job__exact={job.id}",
         "history": history,
+        # Upstream and downstream jobs (jobs.dependencies), each linked to its page.
+        "graph": dependency_graph(job=job, visible=Job.objects.filter(deleted_at=None)),
     }
 
 

@@ -21,10 +21,11 @@ from ..idempotency import (
     request_hash,
 )
 from ..models import MANAGED_LABEL
+from ..selectors import job_list
 from ..services import job_create_bulk
 from .base import ManagedNameTaken, unique_name_guard
 from .jobs import CREATE_SCOPE, JobOutput
-from .validation import JobSpecSerializer, job_spec_check
+from .validation import JobSpecSerializer, dependencies_check, job_spec_check
 
 BULK_MAX_JOBS = 1000
 
@@ -59,9 +60,10 @@ class BulkErrors(serializers.Serializer):
     )
 
 
-def _bulk_items(data, *, now: dt.datetime) -> tuple[list, list, list, list]:
+def _bulk_items(data, *, now: dt.datetime, visible) -> tuple[list, list, list, list]:
     """(specs, first fires, keys, errors), each aligned with the items; validation without
-    the database."""
+    the database, but for the upstreams an `after` schedule names (`visible`: the jobs the
+    caller may see)."""
     specs, firsts, keys, errors, seen = [], [], [], [], {}
     for index, item in enumerate(data):
         spec = key = error = first = None
@@ -81,6 +83,7 @@ def _bulk_items(data, *, now: dt.datetime) -> tuple[list, list, list, list]:
                     seen[key] = index
             try:
                 spec, first = job_spec_check(body, now=now)
+                dependencies_check(spec=spec, visible=visible)
             except serializers.ValidationError as exc:
                 error = {**exc.detail, **(error or {})}
             if error:
@@ -126,7 +129,9 @@ class JobBulkApi(APIView):
                 f"At most {BULK_MAX_JOBS} jobs per request, not {len(request.data)}."
             )
         now = db_now()
-        specs, firsts, keys, errors = _bulk_items(request.data, now=now)
+        specs, firsts, keys, errors = _bulk_items(
+            request.data, now=now, visible=job_list(user=request.user)
+        )
         refusals = job_calendar_refusals(owned=[(request.user.pk, spec) for spec in specs])
         for index, refusal in enumerate(refusals):
             if refusal:  # as POST /jobs/ answers it, per item

@@ -11,6 +11,7 @@ from rest_framework.views import APIView
 
 from .. import schedules
 from ..clock import db_now
+from ..dependencies import GRAPH_MAX_DEPTH, DependencyCycle, dependency_graph
 from ..idempotency import Answer
 from ..models import Job, JobState
 from ..redaction import redact_value
@@ -47,6 +48,7 @@ from .validation import (
     BackfillSerializer,
     JobSpecSerializer,
     backfill_instants,
+    dependencies_check,
     job_patched_spec,
     job_spec_check,
 )
@@ -190,6 +192,7 @@ class JobListApi(APIView):
 
         def create() -> Answer:
             spec, first = job_spec_check(request.data, now=now)
+            dependencies_check(spec=spec, visible=job_list(user=request.user))
             try:
                 # job_create's rows, written in one statement rather than three.
                 [job] = unique_name_guard(
@@ -245,6 +248,7 @@ class JobDetailApi(APIView):
         if not job_is_editable(job=job):
             return conflict(refusal("job.change", state=job.state), state=job.state)
         spec = job_patched_spec(spec=job.spec, patch=request.data)
+        dependencies_check(spec=spec, visible=job_list(user=request.user), job_id=job.id)
         try:
             updated = unique_name_guard(
                 lambda: job_update(
@@ -257,6 +261,10 @@ class JobDetailApi(APIView):
             )
         except ManagedNameTaken:
             return managed_name_conflict(owner=job.owner, name=spec["name"])
+        except DependencyCycle as exc:  # closed by a concurrent edit since the check
+            raise serializers.ValidationError(
+                {"schedule": {"jobs": ["Would make a cycle with a concurrent edit."]}}
+            ) from exc
         if not updated:
             job = visible_job(request, job_id)
             if not job_is_editable(job=job):
@@ -420,6 +428,28 @@ class JobHistoryApi(APIView):
         # An operator's read gets the secrets masked; the owner's, their own data.
         history = job_history(job=job, redacted=request.user.pk != job.owner_id)
         return Response(HistoryOutput(history).data)
+
+
+class GraphJobOutput(serializers.Serializer):
+    id = serializers.UUIDField()
+    name = serializers.CharField()
+    state = serializers.CharField()
+    depth = serializers.IntegerField(help_text="Edges from the job asked about.")
+
+
+class GraphOutput(serializers.Serializer):
+    job = serializers.UUIDField()
+    upstream = GraphJobOutput(many=True, help_text="The jobs it runs after, transitively.")
+    downstream = GraphJobOutput(many=True, help_text="The jobs that run after it, transitively.")
+    max_depth = serializers.IntegerField()
+
+
+class JobGraphApi(APIView):
+    @extend_schema(responses=GraphOutput)
+    def get(self, request, job_id):
+        job = visible_job(request, job_id)
+        graph = dependency_graph(job=job, visible=job_list(user=request.user))
+        return Response(GraphOutput({"job": job.id, **graph, "max_depth": GRAPH_MAX_DEPTH}).data)
 
 
 class JobCancelApi(APIView):

@@ -13,8 +13,10 @@ from .. import schedules
 from ..calendar_services import calendar_list
 from ..calendars import CalendarView
 from ..clock import db_now
+from ..dependencies import dependency_preview
 from ..occurrences import JobCalendars, occurrence_decide
-from .validation import PreviewSerializer
+from ..selectors import job_list
+from .validation import PreviewSerializer, dependencies_check
 
 
 class OccurrenceOutput(serializers.Serializer):
@@ -39,6 +41,17 @@ class OccurrenceOutput(serializers.Serializer):
 
 class PreviewOutput(serializers.Serializer):
     occurrences = OccurrenceOutput(many=True)
+    note = serializers.CharField(
+        required=False,
+        help_text="For a schedule of kind `after`: what its instants mean.",
+    )
+
+
+AFTER_NOTE = (
+    "An `after` schedule has no times of its own: these are the instants at which every "
+    "upstream has an occurrence (its runs' scheduled_for). Each runs when its upstream runs "
+    "end as `on` asks, and is skipped otherwise."
+)
 
 
 class SchedulePreviewApi(APIView):
@@ -67,6 +80,8 @@ class SchedulePreviewApi(APIView):
         preview.is_valid(raise_exception=True)
         data = preview.validated_data
         after = dt.datetime.fromisoformat(data["after"]) if data.get("after") else db_now()
+        if data["schedule"]["kind"] == "after":
+            return self._after(request, data, after)
         calendars = None
         if data.get("calendars"):
             calendars = preview_calendars(user=request.user, named=data["calendars"])
@@ -80,6 +95,18 @@ class SchedulePreviewApi(APIView):
             fire["reason"] = occurrence_decide(at=fire["at"], calendars=calendars).skip_reason
             fire["excluded"] = bool(fire["reason"])
         return Response(PreviewOutput({"occurrences": found}).data)
+
+    def _after(self, request, data: dict, after: dt.datetime) -> Response:
+        visible = job_list(user=request.user)
+        dependencies_check(spec={"schedule": data["schedule"]}, visible=visible)
+        upstreams = list(visible.filter(id__in=data["schedule"]["jobs"]))
+        instants = dependency_preview(
+            upstreams=upstreams, visible=visible, after=after, count=data["count"]
+        )
+        found = [
+            {"at": at, "local": at.isoformat(), "dst": "", "doubled": False} for at in instants
+        ]
+        return Response(PreviewOutput({"occurrences": found, "note": AFTER_NOTE}).data)
 
 
 def preview_calendars(*, user, named: dict) -> JobCalendars:

@@ -10,6 +10,7 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from ..clock import db_now
+from ..dependencies import dependency_upstream_runs
 from ..models import RunKind, RunState
 from ..selectors import run_get, run_history, run_list
 from ..services import run_cancel_request, run_replay_request
@@ -49,8 +50,14 @@ class RunOutput(serializers.Serializer):
     )
     result = serializers.JSONField(allow_null=True)
     duplicate_deliveries = serializers.IntegerField()
+    upstream_runs = serializers.SerializerMethodField(
+        help_text="The upstream runs whose ends created this run (schedule kind `after`)."
+    )
     timestamps = serializers.SerializerMethodField()
     attempts = AttemptOutput(many=True)
+
+    def get_upstream_runs(self, run) -> list[str]:
+        return [str(run_id) for run_id in dependency_upstream_runs(run=run)]
 
     def get_timestamps(self, run) -> dict:
         field = serializers.DateTimeField()

@@ -18,6 +18,7 @@ urlpatterns = [
     path("jobs/<uuid:job_id>/", jobs.JobDetailApi.as_view(), name="job-detail"),
     path("jobs/<uuid:job_id>/runs/", runs.JobRunListApi.as_view(), name="job-runs"),
     path("jobs/<uuid:job_id>/history/", jobs.JobHistoryApi.as_view(), name="job-history"),
+    path("jobs/<uuid:job_id>/graph/", jobs.JobGraphApi.as_view(), name="job-graph"),
     path("jobs/<uuid:job_id>/pause/", jobs.JobPauseApi.as_view(), name="job-pause"),
     path("jobs/<uuid:job_id>/resume/", jobs.JobResumeApi.as_view(), name="job-resume"),
     path("jobs/<uuid:job_id>/trigger/", jobs.JobTriggerApi.as_view(), name="job-trigger"),

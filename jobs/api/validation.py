@@ -15,7 +15,7 @@ from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
-from .. import schedules
+from .. import dependencies, schedules
 from ..registry import registered_task_names, task_arguments_problem
 from ..retry import DEFAULT_RETRY
 
@@ -107,13 +107,29 @@ class AwareDateTimeField(serializers.Field):
 
 
 class ScheduleSerializer(StrictSerializer):
-    kind = serializers.ChoiceField(choices=["once", "cron", "interval"])
+    kind = serializers.ChoiceField(choices=["once", "cron", "interval", "after"])
     run_at = AwareDateTimeField(required=False)
     expression = serializers.CharField(required=False, max_length=200)
     timezone = serializers.CharField(required=False, max_length=64)
     every_seconds = StrictIntegerField(required=False, min_value=1, max_value=366 * 86400)
+    # kind `after` (jobs.dependencies): the upstream jobs, when their runs count, and how
+    # long a fan-in waits for the rest once the first has arrived.
+    jobs = serializers.ListField(
+        child=serializers.UUIDField(format="hex_verbose"),
+        required=False,
+        min_length=1,
+        max_length=dependencies.MAX_UPSTREAMS,
+    )
+    on = serializers.ChoiceField(choices=list(dependencies.ON_STATES), required=False)
+    within_seconds = StrictIntegerField(required=False, min_value=1, max_value=366 * 86400)
 
-    REQUIRED = {"once": ("run_at",), "cron": ("expression",), "interval": ("every_seconds",)}
+    REQUIRED = {
+        "once": ("run_at",),
+        "cron": ("expression",),
+        "interval": ("every_seconds",),
+        "after": ("jobs",),
+    }
+    OPTIONAL = {"cron": ("timezone",), "after": ("on", "within_seconds")}
 
     def validate(self, attrs):
         kind = attrs["kind"]
@@ -128,12 +144,17 @@ class ScheduleSerializer(StrictSerializer):
             for field in attrs
             if field != "kind"
             and field not in required
-            and not (kind == "cron" and field == "timezone")
+            and field not in self.OPTIONAL.get(kind, ())
         }
         if errors:
             raise serializers.ValidationError(errors)
         if kind == "cron":
             attrs.setdefault("timezone", "UTC")
+        if kind == "after":
+            if len(set(attrs["jobs"])) != len(attrs["jobs"]):
+                raise serializers.ValidationError({"jobs": ["Names a job more than once."]})
+            attrs["jobs"] = [str(job_id) for job_id in attrs["jobs"]]
+            attrs.setdefault("on", dependencies.DEFAULT_ON)
         return attrs
 
     # Field-level checks run before validate(), and every field's error is reported at once.
@@ -317,6 +338,18 @@ class JobSpecSerializer(StrictSerializer):
         if attrs["start_at"] and attrs["end_at"] and attrs["end_at"] <= attrs["start_at"]:
             raise serializers.ValidationError({"end_at": ["Must be later than start_at."]})
         schedule = attrs["schedule"]
+        if schedule["kind"] == "after":
+            # Its runs come from its upstreams' ends: no instant of its own to bound.
+            errors = {
+                field: ["Not allowed for an 'after' schedule: its runs follow its upstreams."]
+                for field in ("start_at", "end_at", "jitter_seconds")
+                if attrs.get(field)
+            }
+            if errors:
+                raise serializers.ValidationError(errors)
+            if "now" in self.context:
+                self.context["first_fire"] = None
+            return attrs
         if (
             schedule["kind"] == "once"
             and attrs["start_at"]
@@ -501,3 +534,24 @@ def backfill_instants(*, job, start: dt.datetime, end: dt.datetime) -> list[dt.d
         raise serializers.ValidationError(
             {"start": [f"The job's schedule cannot be evaluated from this start: {exc}."]}
         ) from exc
+
+
+def dependencies_check(*, spec: dict, visible, job_id=None) -> None:
+    """Refuse (ValidationError on `schedule.jobs`) an `after` schedule naming a job the
+    caller cannot see (`visible`: the queryset of those it can; a job that does not exist
+    is refused in the same words, so the answer tells nothing about others' jobs), or one
+    that would close a cycle through `job_id` (the job being edited). The service checks
+    cycles again under the graph's lock (jobs.dependencies.dependency_edges_write)."""
+    upstreams = dependencies.dependency_upstream_ids(spec)
+    if not upstreams:
+        return
+    seen = set(visible.filter(id__in=upstreams).values_list("id", flat=True))
+    unseen = [str(upstream) for upstream in upstreams if upstream not in seen]
+    if unseen:
+        raise serializers.ValidationError(
+            {"schedule": {"jobs": [f"Not a job you can see: {', '.join(unseen)}."]}}
+        )
+    if job_id is not None and dependencies.dependency_reaches(start=upstreams, target=job_id):
+        raise serializers.ValidationError(
+            {"schedule": {"jobs": ["Would make a cycle: this job is upstream of one it names."]}}
+        )

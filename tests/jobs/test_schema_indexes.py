@@ -24,12 +24,13 @@ def test_the_guarantees_indexes_stay_and_the_unneeded_ones_are_gone():
 @pytest.mark.django_db
 def test_the_migrations_install_storages_triggers_and_no_other():
     """Every trigger of the project is one of storage's Ddl values (storage.tallies,
-    storage.completion), installed by the migrations."""
+    storage.completion, storage.dependencies), installed by the migrations."""
     from storage.tallies import STATE_TALLY_TRIGGERS
 
     expected = {"run_measure_insert", "run_measure_update", "attempt_measure_finish",
                 "run_failed_dead_letter",
-                "run_ended_completes_job", "run_ended_notifies",
+                "run_ended_completes_job", "run_ended_notifies", "run_ended_signals_dependents",
+                "run_created_ended_signals_dependents",
                 *(name for name, _ in STATE_TALLY_TRIGGERS)}  # fmt: skip
     with connection.cursor() as cursor:
         cursor.execute("SELECT tgname FROM pg_trigger WHERE NOT tgisinternal")
