@@ -65,7 +65,7 @@ def _configured(name: str) -> str:
 class QueueListApi(APIView):
     permission_classes = [IsOperator]
 
-    @extend_schema(responses=QueueListOutput)
+    @extend_schema(operation_id="api_v1_queues_list", responses=QueueListOutput)
     def get(self, request):
         return Response({"results": QueueOutput(_queues(), many=True).data})
 
