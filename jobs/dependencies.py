@@ -41,6 +41,7 @@ from .models import (
     Run,
     RunState,
 )
+from .occurrences import JobCalendars, calendar_views_of, occurrence_decide
 from .outbox import outbox_enqueue_runs
 from .policies import misfire_plan
 from .schedules import job_preview
@@ -374,6 +375,16 @@ def _decide(
     `skipped` with its reason (whose insert signals its own dependents: skips propagate).
     An occurrence that has its run already is a unique violation: the caller's savepoint
     rolls the decision back, and the signal is tried again, then ignored."""
+    # The one decision of an occurrence (jobs.occurrences): the dependent's own pause and
+    # calendars come before its upstream's reason, as for a time-based occurrence.
+    calendars = (
+        JobCalendars.of(job.spec, calendar_views_of(job.spec))
+        if job.spec.get("calendars")
+        else JobCalendars()
+    )
+    skip_reason = occurrence_decide(
+        at=gate.scheduled_for, calendars=calendars, upstream=skip_reason
+    ).skip_reason
     skipped = bool(skip_reason)
     run = Run(
         id=run_id,

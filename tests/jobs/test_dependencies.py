@@ -399,3 +399,27 @@ def test_a_signal_that_fails_waits_and_the_others_go_on(user, monkeypatch):
     assert run_of(c) is None
     scheduler_pass(later(40))
     assert run_of(c).state == "queued"
+
+
+def test_a_dependent_behind_its_calendar_is_skipped_by_the_one_decision(user):
+    """A dependent's occurrence goes through the decision every occurrence takes
+    (jobs.occurrences.occurrence_decide): its own calendar excludes the instant although
+    its upstream succeeded, and the skip propagates to its dependents as `upstream:`."""
+    from jobs.calendars import calendar_spec_check
+    from jobs.models import Calendar
+
+    freeze = Calendar.objects.create(owner=user, name="freeze", spec=calendar_spec_check(
+        {"timezone": "UTC", "dates": [PINNED_NOW.date().isoformat()]}))  # fmt: skip
+    a = head(user)
+    b = after(user, a)
+    Job.objects.filter(id=b.id).update(spec={**b.spec, "calendars": {"exclude": [str(freeze.id)]}})
+    c = after(user, b, name="C")
+    scheduler_pass(PINNED_NOW)
+    end(run_of(a))
+    scheduler_pass(later(6))
+    b_run = run_of(b)
+    assert b_run.state == RunState.SKIPPED
+    assert b_run.skip_reason.startswith("calendar: 'freeze'"), b_run.skip_reason
+    scheduler_pass(later(7))
+    c_run = run_of(c)
+    assert c_run.state == RunState.SKIPPED and c_run.skip_reason.startswith("upstream:")
