@@ -9,7 +9,7 @@ prediction and the decision made later cannot disagree. Causes, in order of prec
 - `paused:` the job was paused when it fell due (decided on resume by its misfire policy);
 - `calendar:` an `exclude` calendar holds its instant, or no `only` calendar does
   (the instant is the one the job's `dst` policy resolved: DST first, calendar second);
-- `upstream:` (hook: a dependency's decision, built with schedules of kind `after`);
+- `upstream:` (a dependency's decision: jobs.dependencies passes it for schedules of kind `after`);
 - `misfire:` later than the grace, and the misfire policy does not run it;
 - `overlap:` a run of the job is still active, and the overlap policy skips it;
 - `queue:` (hook: a paused queue holds a run back; it still runs, later).
@@ -86,8 +86,8 @@ def occurrence_decide(
     """Whether the occurrence at `at` (UTC, already resolved by the job's DST policy) runs.
 
     The caller brings the facts: `paused` (a `paused:` reason when the job was paused at
-    `at`), `misfire` (misfire_plan's reason for it), `upstream` (HOOK for dependencies: an
-    `upstream:` reason, "" until that feature passes one), `queue` (a `queue:` note: held
+    `at`), `misfire` (misfire_plan's reason for it), `upstream` (an `upstream:` reason,
+    passed by jobs.dependencies for a dependent's occurrence), `queue` (a `queue:` note: held
     back, still runs) and `overlap`, called only when nothing else skips the occurrence
     (its policy acts on other runs: cancel_previous cancels them)."""
     skip = (
