@@ -12,7 +12,7 @@ prediction and the decision made later cannot disagree. Causes, in order of prec
 - `upstream:` (a dependency's decision: jobs.dependencies passes it for schedules of kind `after`);
 - `misfire:` later than the grace, and the misfire policy does not run it;
 - `overlap:` a run of the job is still active, and the overlap policy skips it;
-- `queue:` (hook: a paused queue holds a run back; it still runs, later).
+- `queue:` a paused queue holds its run back (a note, not a skip: it runs on resume).
 `dst:` is never a reason to skip by itself here: a moved occurrence runs, and says so.
 """
 
@@ -28,6 +28,7 @@ from .calendar_services import calendar_views, job_calendar_ids
 from .calendars import CalendarView, calendars_skip_reason
 from .models import JobState, Run, RunKind
 from .policies import misfire_plan, overlap_decision
+from .queues import queue_note
 from .schedules import DEFAULT_DST, Occurrence, ScheduleError, gap_skipped, occurrences, zone
 from .transitions import ACTIVE_RUN_STATES
 
@@ -128,7 +129,7 @@ def spec_occurrences(
 
 def predicted_entry(
     *, occurrence: Occurrence, spec: dict, calendars: JobCalendars, paused: bool = False,
-    overlap: Callable[[], str] | None = None,
+    overlap: Callable[[], str] | None = None, queue: str = "",
 ) -> dict:  # fmt: skip
     """One predicted occurrence as the explanation shows it (`will_run` / `will_skip`)."""
     paused_reason, paused_skips = job_paused_reason(spec=spec) if paused else ("", False)
@@ -138,7 +139,7 @@ def predicted_entry(
         dst=dst_reason(occurrence, spec.get("dst") or DEFAULT_DST),
         paused=paused_reason if paused_skips else "",
         overlap=overlap,
-        queue="",
+        queue=queue,
     )
     reasons = decision.reasons
     if paused and not paused_skips:
@@ -219,6 +220,7 @@ def job_occurrences(
     predicted from next_run_at by `occurrence_decide`. Either side evaluates at most
     `limit` + 1 entries, wherever the page lies in the window."""
     live = job.state in (JobState.ACTIVE, JobState.PAUSED) and job.deleted_at is None
+    queue = queue_note(queue=job.spec.get("queue") or "", now=now) if live else ""
     boundary = job.next_run_at if live and job.next_run_at is not None else end
     runs = Run.objects.filter(job_id=job.id, kind=RunKind.SCHEDULED,
                               scheduled_for__lt=min(end, max(boundary, start)))  # fmt: skip
@@ -233,7 +235,13 @@ def job_occurrences(
             "run": run.id,
             "state": run.state,
             "reasons": [
-                note for note in (run.skip_reason, _dst_note(job, run.scheduled_for)) if note
+                note
+                for note in (
+                    run.skip_reason,
+                    _dst_note(job, run.scheduled_for),
+                    queue if RUN_DECISIONS.get(run.state) == "waiting" else "",
+                )
+                if note
             ],
         }
         for run in runs.order_by("scheduled_for").only(
@@ -258,6 +266,7 @@ def job_occurrences(
                 calendars=calendars,
                 paused=job.state == JobState.PAUSED,
                 overlap=overlap,
+                queue=queue,
             )
             if (
                 occurrence.at <= now

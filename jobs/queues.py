@@ -146,6 +146,17 @@ def queue_paused_now(control: QueueControl | None, *, now: dt.datetime) -> bool:
     )
 
 
+def queue_note(*, queue: str, now: dt.datetime) -> str:
+    """The `queue:` note of an occurrence whose queue is paused now ("" when it is not):
+    its run is created as usual and waits, and starts when the queue resumes."""
+    control = QueueControl.objects.filter(name=queue).first()
+    if not queue_paused_now(control, now=now):
+        return ""
+    until = f" until {control.paused_until:%Y-%m-%d %H:%M:%S}Z" if control.paused_until else ""
+    why = f" ({control.paused_reason})" if control.paused_reason else ""
+    return f"queue: '{control.name}' is paused{why}{until}; its runs wait and start on resume"
+
+
 def queue_list(*, now: dt.datetime, depth=None) -> list[QueueView]:
     """Every configured queue followed by its lanes, with its figures; `depth(name)` the
     broker's ready count (None when it cannot say)."""

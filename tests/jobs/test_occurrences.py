@@ -115,3 +115,18 @@ def test_a_wall_time_skipped_by_a_dst_gap_is_explained_though_it_has_no_run(make
     after = explain(job, now=dt.datetime(2026, 3, 30, 1, 0, 1, tzinfo=UTC))[transition]
     assert after["decision"] == "skipped" and after["reasons"] == [expected]
     assert after["run"] is None
+
+
+def test_a_paused_queue_is_named_on_the_occurrences_that_wait_for_it(make_job):
+    from jobs.models import QueueControl
+
+    job = make_job(now=T0, **cron("0 * * * *"))
+    due = T0 + dt.timedelta(hours=1)
+    assert explain(job, now=T0)[due]["reasons"] == []
+    QueueControl.objects.create(name=job.spec["queue"], paused=True, paused_reason="migration")
+    scheduler_pass(due)  # created as usual: it waits in PostgreSQL
+    page = explain(job, now=due + dt.timedelta(seconds=1))
+    note = "queue: 'jobs' is paused (migration); its runs wait and start on resume"
+    assert page[due]["decision"] == "waiting" and page[due]["reasons"] == [note]
+    following = page[due + dt.timedelta(hours=1)]
+    assert following["decision"] == "will_run" and following["reasons"] == [note]
