@@ -181,9 +181,14 @@ def queued_run(user):
     return make
 
 
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
-    # Drills (machines lost, long races) are minutes each: they run only when asked for by
-    # marker (`bin/test -m drill`, CI's second step), so the suite stays short.
+    # Drills (the fault injections, machines lost, long races) take minutes together: they
+    # run only when asked for by marker (`bin/test -m drill`, CI's second step), so the
+    # suite stays short. Every fault test is a drill.
+    for item in items:
+        if item.get_closest_marker("faults") and not item.get_closest_marker("drill"):
+            item.add_marker(pytest.mark.drill)
     if "drill" not in (config.option.markexpr or ""):
         drills = [item for item in items if item.get_closest_marker("drill")]
         if drills:
