@@ -8,6 +8,7 @@ Unset in production: a no-op.
 
 import os
 import signal
+import threading
 
 _ARMED = dict(
     (item.split("=", 1) + ["kill"])[:2]
@@ -18,4 +19,6 @@ _SIGNALS = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP}
 
 def failpoint(name: str) -> None:
     if name in _ARMED:
-        os.kill(os.getpid(), _SIGNALS[_ARMED[name]])
+        # To the calling thread: a SIGSTOP sent to the process is taken by whichever thread
+        # the kernel picks, and the caller could run on (and commit) before the group stops.
+        signal.pthread_kill(threading.get_ident(), _SIGNALS[_ARMED[name]])

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime as dt
 import functools
+import itertools
 import json
 import sys
 import time
@@ -470,10 +471,11 @@ def jobs_history(ctx, job_id, output):
 @click.argument("job_id")
 @click.option("--from", "start", required=True, help="ISO 8601 with an offset.")
 @click.option("--to", "end", required=True, help="ISO 8601 with an offset.")
+@click.option("--limit", default=1000, show_default=True, help="At most this many.")
 @output_option
 @click.pass_context
 @api_command
-def jobs_occurrences(ctx, job_id, start, end, output):
+def jobs_occurrences(ctx, job_id, start, end, limit, output):
     """Every occurrence of a job in a window, past and future, and its decision (ran,
     skipped, will_run, ...) with the reasons (GET /jobs/{id}/occurrences/).
 
@@ -481,7 +483,11 @@ def jobs_occurrences(ctx, job_id, start, end, output):
     Example:
       schedctl jobs occurrences <job id> --from 2026-12-20T00:00:00Z --to 2027-01-05T00:00:00Z
     """
-    found = client_of(ctx).job_occurrences(job_id, start=start, end=end)
+    found = list(itertools.islice(client_of(ctx).job_occurrences(job_id, start=start, end=end),
+                                  limit + 1))  # fmt: skip
+    if len(found) > limit:
+        found = found[:limit]
+        click.echo(f"(the first {limit}; --limit or a narrower window for more)", err=True)
     if output == "json":
         return emit_json(found)
     table(None, ["SCHEDULED FOR", "LOCAL", "DECISION", "RUN", "STATE", "REASONS"],

@@ -269,9 +269,9 @@ class Client:
     def job_history(self, job_id: str) -> dict:
         return self.get(f"jobs/{job_id}/history/")
 
-    def job_occurrences(self, job_id: str, *, start: str, end: str) -> list[dict]:
-        body = self.get(f"jobs/{job_id}/occurrences/", **{"from": start, "to": end})
-        return body.get("results", body.get("occurrences", [])) if isinstance(body, dict) else body
+    def job_occurrences(self, job_id: str, *, start: str, end: str) -> Iterator[dict]:
+        """Every occurrence in the window, page after page (the server pages by cursor)."""
+        yield from self.pages(f"jobs/{job_id}/occurrences/", **{"from": start, "to": end})
 
     def job_runs(self, job_id: str, **filters) -> Iterator[Run]:
         for item in self.pages(f"jobs/{job_id}/runs/", **filters):

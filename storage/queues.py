@@ -116,10 +116,13 @@ def runs_of_held_queues(*, run_ids: list[str]) -> list[str]:
 
 
 def run_has_pending_message(*, run_id: uuid.UUID | str) -> bool:
-    """Whether the run has a pending outbox row. No lock."""
+    """Whether the run has a pending outbox row that will be published: one under a
+    relay's live claim is being published now and goes once confirmed (its message may be
+    the very one being handed back), so it does not count. No lock."""
     return bool(
         fetch_value(
-            f"SELECT EXISTS (SELECT 1 FROM {OUTBOX_TABLE} WHERE run_id = %s AND state = %s)",
+            f"SELECT EXISTS (SELECT 1 FROM {OUTBOX_TABLE} WHERE run_id = %s AND state = %s"
+            " AND (claimed_until IS NULL OR claimed_until < now()))",
             [run_id, PENDING],
         )
     )

@@ -11,7 +11,7 @@ A run may go once it is terminal and finished before the cutoff, and nothing nee
 Runs that are not terminal (pending, queued, running, retry_wait) are never candidates.
 
 Tables: `jobs_run`, `jobs_job`, `jobs_attempt`, `jobs_activerun`, `dispatch_effect`,
-`dispatch_outboxmessage`, `jobs_auditevent`.
+`dispatch_outboxmessage`, `jobs_auditevent`, `jobs_dependency_gate`.
 """
 
 from __future__ import annotations
@@ -26,6 +26,9 @@ AUDIT = "jobs_auditevent"
 # Every table that refers to a run (or to an attempt, which goes with its run), children
 # first: (table, its column holding the run's id).
 RUN_ROWS = (
+    # A dependent occurrence's gate names the run it decided: the gate goes with it (its
+    # decision is the run's; a gate without its run has nothing left to tell).
+    ("jobs_dependency_gate", "run_id"),
     ("jobs_activerun", "run_id"),
     ("dispatch_effect", "run_id"),
     ("dispatch_outboxmessage", "run_id"),
@@ -77,7 +80,8 @@ def runs_expired_claim(*, cutoff: dt.datetime, limit: int) -> list[uuid.UUID]:
 
 def runs_delete_terminal(*, run_ids: list[uuid.UUID]) -> int:
     """Delete the terminal runs of `run_ids` (others stay, whatever the ids) with their
-    attempts, outbox rows, effects, ActiveRun rows and audit events, in the caller's
+    attempts, outbox rows, effects, ActiveRun rows, audit events and dependency gates, in
+    the caller's
     transaction; a run's logs are logs_app's, deleted first. An operator's action on the
     job (`job.*`, e.g. job.triggered naming the run it made) is the job's history, which
     stays: it only loses the link to the run. Row locks on every row deleted or unlinked.

@@ -48,11 +48,16 @@ def server(monkeypatch):
                  "dates": ["2026-12-25"], "ranges": [], "rrules": []}]})  # fmt: skip
         if path.startswith("/calendars/"):
             return httpx.Response(201, json={"id": "c1", "name": "holidays"})
-        if path == "/jobs/j1/occurrences/":
-            return httpx.Response(200, json=[
+        if path == "/jobs/j1/occurrences/" and "cursor" not in request.url.params:
+            return httpx.Response(200, json={"next": "http://fake/jobs/j1/occurrences/?from="
+                "2026-12-20T00%3A00%3A00Z&to=2027-01-05T00%3A00%3A00Z&cursor=c2", "results": [
                 {"scheduled_for": "2026-12-25T08:00:00Z", "local": "2026-12-25T09:00:00+01:00",
                  "decision": "will_skip", "run": None, "state": None,
-                 "reasons": ["calendar: holidays 2026-12-25"]}])  # fmt: skip
+                 "reasons": ["calendar: holidays 2026-12-25"]}]})  # fmt: skip
+        if path == "/jobs/j1/occurrences/":  # the next page, by cursor
+            return httpx.Response(200, json={"next": None, "results": [
+                {"scheduled_for": "2026-12-28T08:00:00Z", "local": "2026-12-28T09:00:00+01:00",
+                 "decision": "will_run", "run": None, "state": None, "reasons": []}]})  # fmt: skip
         return httpx.Response(404, json={"detail": "Not found."})
 
     transport = httpx.MockTransport(handler)
@@ -99,5 +104,7 @@ def test_queues_calendars_and_occurrences(server, tmp_path):
     shown = run("jobs", "occurrences", "j1", "--from", "2026-12-20T00:00:00Z",
                 "--to", "2027-01-05T00:00:00Z")  # fmt: skip
     assert "will_skip" in shown.output and "calendar: holidays" in shown.output
-    assert server[-1][1] == ("/jobs/j1/occurrences/?from=2026-12-20T00%3A00%3A00Z"
+    assert "will_run" in shown.output  # the second page too
+    assert server[-2][1] == ("/jobs/j1/occurrences/?from=2026-12-20T00%3A00%3A00Z"
                              "&to=2027-01-05T00%3A00%3A00Z")  # fmt: skip
+    assert server[-1][1].endswith("&cursor=c2")

@@ -84,6 +84,22 @@ def test_a_delivered_run_of_a_paused_queue_goes_back_to_wait_uncharged(queued_ru
     assert OutboxMessage.objects.filter(run=run).count() == 1
 
 
+def test_a_run_handed_back_while_its_row_is_being_published_gets_a_row_of_its_own(queued_run):
+    """The relay's claimed row goes once the broker confirms it; the message handed back
+    may be that very one, so the hand-back writes a row that outlives the relay's step."""
+    import uuid
+
+    run = queued_run()
+    OutboxMessage.objects.filter(run=run).update(
+        claimed_by=uuid.uuid4(), claimed_until=dt.datetime.now(dt.UTC) + dt.timedelta(seconds=30)
+    )
+    _pause()
+    with transaction.atomic():
+        assert queue_holds_run(run_id=str(run.id))
+    OutboxMessage.objects.filter(run=run, claimed_by__isnull=False).delete()  # confirmed
+    assert OutboxMessage.objects.filter(run=run, state="pending").count() == 1
+
+
 def test_a_pause_with_an_until_in_the_past_holds_nothing(queued_run):
     run = queued_run()
     _pause(until=dt.datetime.now(dt.UTC) - dt.timedelta(seconds=1))

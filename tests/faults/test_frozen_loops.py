@@ -35,12 +35,6 @@ def _row_locked(attempt_id: int) -> bool:
         return True
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="since the merges of 2026-12-05 the attempt is found already ended (lost) and "
-    "its row never locked at the freeze, though the reaper's only ending is inside the "
-    "transaction the failpoint freezes; passes on its branch alone; being investigated",
-)
 def test_a_reaper_frozen_while_ending_an_attempt_lets_its_rows_go(stack, report_figure):
     """The reaper freezes (SIGSTOP, by a failpoint) with an expired attempt ended in its
     open transaction, holding the attempt's and the run's rows: its session is ended after
