@@ -165,6 +165,7 @@ def test_every_failed_run_is_told_through_a_failing_receiver_and_kills(stack, re
 
 
 @pytest.mark.drill
+@pytest.mark.timeout(600)
 def test_200_failed_runs_told_while_the_web_and_the_poster_are_killed(stack, report_figure):
     with Receiver() as receiver:
         report_figure(Scene(stack, receiver).failed_runs_told(runs=200, kills=6))
