@@ -12,11 +12,11 @@ import time
 import uuid
 
 import pytest
-import requests
 
 from dispatch.management.commands.standalone import web_argv
 from jobs.models import Attempt, Job, Run, RunState
 from tests.factories import one_time_job, owner, token_for
+from tests.jobs.test_throttling import free_port, web_up
 from tests.processes import wait_for
 
 from .helpers import SCHEDCTL, ok, schedctl
@@ -57,19 +57,6 @@ def test_follow_ends_when_the_running_attempt_ends(stack, live_server, report_fi
     got = ok(schedctl("runs", "get", str(run.id), "--wait", "-o", "json",
                       url=live_server.url, token=token)).json()  # fmt: skip
     assert got["state"] == "succeeded"
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def web_up(port: int) -> bool:
-    try:
-        return requests.get(f"http://127.0.0.1:{port}/healthz", timeout=2).ok
-    except (requests.ConnectionError, requests.Timeout):
-        return False
 
 
 class AnswerDropper:
