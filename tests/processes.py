@@ -48,6 +48,16 @@ def purge_queue(name: str = "jobs") -> None:
             pass
 
 
+def queue_ready_messages(name: str) -> int:
+    """The broker's count of the queue's ready messages (0 for a queue not declared yet)."""
+    with Connection(settings.CELERY_BROKER_URL) as broker:
+        channel = broker.channel()
+        try:
+            return channel.queue_declare(name, passive=True).message_count
+        except Exception:  # noqa: BLE001 - the queue does not exist yet
+            return 0
+
+
 def wait_for(
     condition: Callable[[], object],
     *,

@@ -18,6 +18,7 @@ from jobs.transitions import run_claim
 from logs_app.capture import LogCapture
 from logs_app.store import logs_prepare
 
+from ..failpoints import failpoint
 from ..queues import queue_hand_back, queue_holds_run
 from .context import RunContext
 from .keeper import LEASE_KEEPER, Lease
@@ -124,6 +125,9 @@ def run_execute_delivery(
     run again (dispatch.registry publishes the message anew). `time_limit`: the handler's
     own soft time limit, for runs packed in one message (whose Celery limit is the pack's);
     `successes`: the pack's batch, which records a success with the others'."""
+    # The delivery is acknowledged already (early acknowledgement): a crash here leaves the
+    # run `queued` with no message anywhere, for reconciliation to publish again.
+    failpoint("worker.before_claim")
     try:
         attempt = _claim(
             run_id=run_id, worker=worker, published_at=published_at_of(published_at),

@@ -1,6 +1,8 @@
-"""Recovery paths with real processes: a message lost in the broker, a poison job, a run
-that overruns its timeout, and a run longer than RabbitMQ's consumer timeout."""
+"""Recovery paths with real processes: a message lost in the broker, a worker killed
+between a delivery's acknowledgement and its claim, a poison job, a run that overruns its
+timeout, and a run longer than RabbitMQ's consumer timeout."""
 
+import signal
 import subprocess
 
 import pytest
@@ -9,7 +11,7 @@ from jobs.models import AttemptState, AuditEvent, FailureReason, OutboxMessage, 
 from tests.factories import one_time_job
 from tests.faults.helpers import counter, restarts_services
 from tests.faults.invariants import invariant_violations
-from tests.processes import purge_queue, wait_for
+from tests.processes import purge_queue, queue_ready_messages, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.faults]
 
@@ -31,6 +33,34 @@ def test_message_purged_from_the_queue_is_republished_and_runs(stack):
     assert not OutboxMessage.objects.filter(run=run).exists()  # both confirmed, deleted
     assert AuditEvent.objects.filter(run=run, action="run.republished").count() == 1
     assert counter("scheduler_reconcile_repairs_total", 'kind="republished"') == 1
+    assert [e["attempt"] for e in stack.executions() if e["event"] == "executed"] == [1]
+    assert invariant_violations() == []
+
+
+def test_worker_killed_between_the_ack_and_the_claim_is_republished(stack):
+    # The soak's worker SIGKILLs that landed in this gap left runs queued with no outbox
+    # row and no message until reconciliation, `--queued-after` later.
+    stack.scheduler()
+    stack.relay()
+    stack.worker("worker-dying", concurrency=1, SCHEDULER_FAILPOINTS="worker.before_claim")
+    job = one_time_job(task="faults.work")
+    wait_for(lambda: b"SIGKILL" in stack.log("worker-dying"), timeout=60,
+             message="the pool process to die before its claim")  # fmt: skip
+    stack.kill("worker-dying")
+    run = Run.objects.get(job=job)
+    # Acknowledged early: not in the broker, not in the outbox, never claimed.
+    assert (run.state, run.attempt_count) == (RunState.QUEUED, 0)
+    assert not OutboxMessage.objects.filter(run=run).exists()
+    assert queue_ready_messages("jobs") == 0
+
+    stack.stop("scheduler", signal.SIGTERM)
+    stack.scheduler("reconciling", "--queued-after", "2", "--reconcile-interval", "1")
+    stack.worker()
+    run = wait_for(lambda: Run.objects.filter(job=job, state=RunState.SUCCEEDED).first(),
+                   timeout=60, message="the republished run to succeed")  # fmt: skip
+    assert run.republish_count == 1
+    event = AuditEvent.objects.get(run=run, action="run.republished")
+    assert event.data["lost_because"] == "queue_idle"
     assert [e["attempt"] for e in stack.executions() if e["event"] == "executed"] == [1]
     assert invariant_violations() == []
 
