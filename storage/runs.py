@@ -217,3 +217,50 @@ def _claimed(statement: str, params: dict[str, Any]) -> list[ClaimedRun]:
 
 def _uuid(value: uuid.UUID | str) -> uuid.UUID:
     return value if isinstance(value, uuid.UUID) else uuid.UUID(str(value))
+
+
+RUN_TABLE = "jobs_run"
+OUTBOX_TABLE = "dispatch_outboxmessage"
+# run_queued_unheld_idx's predicate, as the ORM writes it (jobs.models.Run): a statement
+# that says it the same way is served by the index.
+QUEUED_UNHELD = "r.state = 'queued' AND NOT (r.held_at = r.updated_at AND r.held_at IS NOT NULL)"
+
+
+def runs_mark_held(
+    *,
+    updated_before: dt.datetime,
+    pending_before: dt.datetime,
+    limit: int,
+    ids: list[uuid.UUID] | None = None,
+) -> int:
+    """Mark as held back the queued runs whose message still waits in the outbox (a pending
+    row written before `pending_before`): `held_at` set to their `updated_at`, which takes
+    them out of run_queued_unheld_idx until that is stamped again. Looks at the oldest
+    `limit` unmarked queued runs last stamped before `updated_before` (or at those among
+    `ids`), read from run_queued_unheld_idx, each with one probe of the outbox by run.
+    A run is marked only while its `updated_at` is still the one read: one published (and
+    so stamped) meanwhile is left alone. Runs in its own statement; locks the rows it marks,
+    passing over rows locked by others (SKIP LOCKED). Returns the runs marked."""
+    among = "" if ids is None else "AND r.id = ANY(%(ids)s)"
+    with connection.cursor() as cursor:
+        cursor.execute(
+            f"""
+            WITH oldest AS (
+                SELECT r.id, r.updated_at FROM {RUN_TABLE} AS r
+                 WHERE {QUEUED_UNHELD} AND r.updated_at < %(updated_before)s {among}
+                 ORDER BY r.updated_at, r.id
+                 LIMIT %(limit)s
+            ), held AS (
+                SELECT r.id, r.updated_at FROM {RUN_TABLE} AS r JOIN oldest USING (id)
+                 WHERE r.updated_at = oldest.updated_at AND {QUEUED_UNHELD}
+                   AND EXISTS (SELECT FROM {OUTBOX_TABLE} AS o
+                                WHERE o.run_id = r.id AND o.created_at < %(pending_before)s)
+                   FOR UPDATE OF r SKIP LOCKED
+            )
+            UPDATE {RUN_TABLE} AS r SET held_at = held.updated_at
+              FROM held WHERE r.id = held.id AND r.updated_at = held.updated_at
+            """,
+            {"updated_before": updated_before, "pending_before": pending_before,
+             "limit": limit, "ids": ids},
+        )  # fmt: skip
+        return cursor.rowcount
