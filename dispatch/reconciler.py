@@ -232,7 +232,8 @@ def _window(*, now: dt.datetime, config: ReconcileConfig, window: ReconcileWindo
     last = walk[-1:] or oldest[-1:]
     window.end = last[0] if last else None
     ids = [run_id for _, run_id in oldest + walk]
-    _mark_held(now=now, config=config, ids=ids)
+    if ids:
+        _mark_held(now=now, config=config, ids=ids)
     return ids
 
 

@@ -238,27 +238,28 @@ def runs_mark_held(
     them out of run_queued_unheld_idx until that is stamped again. Looks at the oldest
     `limit` unmarked queued runs last stamped before `updated_before` (or at those among
     `ids`), read from run_queued_unheld_idx, each with one probe of the outbox by run.
-    A run is marked only while its `updated_at` is still the one read: one published (and
-    so stamped) meanwhile is left alone. Runs in its own statement; locks the rows it marks,
+    Its conditions are checked again on the row as locked: a run published (and so
+    stamped) meanwhile is left alone. Runs in its own statement; locks the rows it marks,
     passing over rows locked by others (SKIP LOCKED). Returns the runs marked."""
     among = "" if ids is None else "AND r.id = ANY(%(ids)s)"
     with connection.cursor() as cursor:
         cursor.execute(
             f"""
             WITH oldest AS (
-                SELECT r.id, r.updated_at FROM {RUN_TABLE} AS r
+                SELECT r.id FROM {RUN_TABLE} AS r
                  WHERE {QUEUED_UNHELD} AND r.updated_at < %(updated_before)s {among}
                  ORDER BY r.updated_at, r.id
                  LIMIT %(limit)s
             ), held AS (
-                SELECT r.id, r.updated_at FROM {RUN_TABLE} AS r JOIN oldest USING (id)
-                 WHERE r.updated_at = oldest.updated_at AND {QUEUED_UNHELD}
+                SELECT r.id FROM {RUN_TABLE} AS r
+                 WHERE r.id = ANY(ARRAY(SELECT id FROM oldest))
+                   AND {QUEUED_UNHELD} AND r.updated_at < %(updated_before)s
                    AND EXISTS (SELECT FROM {OUTBOX_TABLE} AS o
                                 WHERE o.run_id = r.id AND o.created_at < %(pending_before)s)
                    FOR UPDATE OF r SKIP LOCKED
             )
-            UPDATE {RUN_TABLE} AS r SET held_at = held.updated_at
-              FROM held WHERE r.id = held.id AND r.updated_at = held.updated_at
+            UPDATE {RUN_TABLE} AS r SET held_at = r.updated_at
+             WHERE r.id = ANY(ARRAY(SELECT id FROM held))
             """,
             {"updated_before": updated_before, "pending_before": pending_before,
              "limit": limit, "ids": ids},
