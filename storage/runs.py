@@ -1,4 +1,5 @@
-"""Runs: the claim of a delivered run and the reservation of a packed message's runs.
+"""Runs: the claim of a delivered run and the reservation of a packed message's runs;
+reconciliation's mark of the queued runs held back in the outbox (`runs_mark_held`).
 
 Each statement moves runs from `queued` to `running` and inserts their attempts in one
 statement, atomic without a transaction block of its own: the compare-and-set that issues

@@ -28,7 +28,7 @@ from dispatch.reconciler import (
 )
 from dispatch.scheduler import SchedulerConfig, scheduler_run_once
 from jobs.models import Job, JobVersion, OutboxMessage, Run, RunState
-from jobs.selectors import oldest_pending_outbox
+from jobs.selectors import oldest_pending_outbox, oldest_queued_at
 from storage.jobs import LATEST_FINISHED
 from tests.factories import make_job, publish
 
@@ -99,6 +99,9 @@ def test_reconciliation_reads_its_window_from_the_unheld_queued_runs_index():
     for sql in selects:
         text = plan(sql)
         assert "run_queued_unheld_idx" in text, text
+    with CaptureQueriesContext(connection) as queries:
+        oldest_queued_at()  # the dashboard's, beside the oldest pending outbox row
+    assert "run_queued_unheld_idx" in plan(queries.captured_queries[0]["sql"])
     with CaptureQueriesContext(connection) as queries:
         _mark_held(now=NOW, config=ReconcileConfig(), ids=None)
     text = plan(queries.captured_queries[0]["sql"])
