@@ -17,7 +17,7 @@ from collections import defaultdict
 from django.conf import settings
 from django.contrib.auth.models import AbstractBaseUser
 from django.contrib.auth.views import redirect_to_login
-from django.db.models import Count, Max, Min
+from django.db.models import Count, Max
 from django.http import HttpRequest, HttpResponse, HttpResponseForbidden
 from django.shortcuts import render
 
@@ -36,7 +36,13 @@ from jobs.models import (
 )
 from jobs.queues import queue_paused_now
 from jobs.roles import user_is_operator
-from jobs.selectors import job_list, oldest_overdue_seconds, run_list, runs_by_state_and_backlog
+from jobs.selectors import (
+    job_list,
+    oldest_overdue_seconds,
+    oldest_queued_at,
+    run_list,
+    runs_by_state_and_backlog,
+)
 
 from .charts import Series, line_chart
 from .queues import queue_of_lane
@@ -230,7 +236,7 @@ def dashboard_figures(*, user: AbstractBaseUser, now: dt.datetime | None = None)
     runs = _window_runs(since)
     by_state, backlog = runs_by_state_and_backlog()  # as /metrics: tallies on PostgreSQL
     due_jobs = Job.objects.filter(state=JobState.ACTIVE, next_run_at__lte=now)
-    oldest_queued = Run.objects.filter(state=RunState.QUEUED).aggregate(at=Min("updated_at"))["at"]
+    oldest_queued = oldest_queued_at()
     span = _plot_span(runs, now)
     throughput, finished = _throughput_chart(runs, span)
     top_failing = (

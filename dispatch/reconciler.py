@@ -15,13 +15,24 @@ Every repair is one conditional update on rows claimed with FOR UPDATE SKIP LOCK
 number of replicas may run it; no transaction waits on the broker.
 
 A pass costs the same however many runs are queued: it examines a window of at most
-`scan_size` queued runs, read from run_queued_idx alone (queued runs only): the oldest
-tenth, and a walk that starts where the previous one ended (wrapping round to the oldest
-when it reaches the cutoff); only those are checked for a pending outbox row, read for
-their queue and locked. A lost run behind N queued runs is found within
-ceil(N / (0.9 scan_size)) passes while N holds still, and once every run queued before it
-has gone (a lost run stays queued, so it becomes one of the oldest) at every pass, however
-fast new runs cross the cutoff.
+`scan_size` queued runs, read from run_queued_unheld_idx alone (queued runs not marked as
+held back): the oldest tenth, and a walk that starts where the previous one ended (wrapping
+round to the oldest when it reaches the cutoff); only those are checked for a pending
+outbox row, read for their queue and locked. A lost run behind N unmarked queued runs is
+found within ceil(N / (0.9 scan_size)) passes while N holds still, and once every run
+queued before it has gone (a lost run stays queued, so it becomes one of the oldest) at
+every pass, however fast new runs cross the cutoff.
+
+Runs held back on purpose (their message waits in the outbox: backpressure, a paused
+queue, an owner's limit) are marked so, and so leave that index: each pass first marks
+those among the oldest `mark_size` unmarked queued runs, and those in its window, that have
+had a pending outbox row since before the cutoff (`Run.held_at`, the `updated_at` they
+had). Each held run is written once, by reconciliation, never on the relay's path; any
+later stamp of `updated_at` voids the mark (the relay stamps a run it publishes late,
+runs_stamp_published_late; a republication and every transition stamp it too), so a
+published run is never hidden. N above counts published runs not yet claimed and runs
+held back since the last passes, not the held backlog: a backlog of H held runs costs
+ceil(H / mark_size) passes once, when they first cross the cutoff.
 """
 
 from __future__ import annotations
@@ -33,7 +44,7 @@ import uuid
 from collections.abc import Callable
 
 from django.db import transaction
-from django.db.models import Count, Exists, Max, Min, OuterRef, Q, Subquery
+from django.db.models import Count, Exists, F, Max, Min, OuterRef, Q, Subquery
 from kombu import Connection
 
 from jobs.audit import audit_record
@@ -50,10 +61,12 @@ from jobs.models import (
 from jobs.outbox import outbox_enqueue_runs, run_lane_queue
 from jobs.outcomes import runs_record_orphaned
 from jobs.transitions import run_count_republish, run_give_up
+from storage.runs import runs_mark_held
 
 from .broker import queue_depth
 from .config import config_require
 from .loop import BROKER_ERRORS
+from .relay import LATE_PUBLICATION_SECONDS
 from .shares import MAX_QUEUES, owner_at_limit
 
 log = logging.getLogger("dispatch.reconciler")
@@ -85,6 +98,7 @@ class ReconcileConfig:
     running_orphan_after_seconds: float = 30.0
     outbox_alarm_after_seconds: float = 60.0
     scan_size: int = 2000  # queued runs examined per pass (module docstring)
+    mark_size: int = 20_000  # oldest unmarked queued runs looked at for held ones per pass
     # What the relays hold rows back for (SCHEDULER_QUEUE_HIGH_WATER,
     # SCHEDULER_OWNER_MAX_ACTIVE_RUNS): rows waiting for them are not alarmed as stuck.
     queue_high_water: int | None = None
@@ -93,7 +107,13 @@ class ReconcileConfig:
     def __post_init__(self) -> None:
         config_require(
             self,
-            at_least_one=("batch_size", "scan_size", "queue_high_water", "owner_max_active_runs"),
+            at_least_one=(
+                "batch_size",
+                "scan_size",
+                "mark_size",
+                "queue_high_water",
+                "owner_max_active_runs",
+            ),
             positive=(
                 "poll_interval",
                 "queued_after_seconds",
@@ -127,6 +147,7 @@ class ReconcileResult:
 def reconcile_run_once(
     *, now: dt.datetime, config: ReconcileConfig, queue_depth: QueueDepth, window: ReconcileWindow
 ) -> ReconcileResult:
+    _mark_held(now=now, config=config, ids=None)
     republished, undeliverable = _republish_lost_messages(
         now=now, config=config, queue_depth=queue_depth, window=window
     )
@@ -168,15 +189,31 @@ def _published_long_ago(*, now: dt.datetime, config: ReconcileConfig, window: Re
     )
 
 
-def _window(*, now: dt.datetime, config: ReconcileConfig, window: ReconcileWindow) -> list:
-    """The ids of up to `scan_size` runs queued before the cutoff, read from run_queued_idx
-    alone: the oldest tenth (a lost run is never republished by anyone else, so it stays
-    among the oldest: looked at again every pass, once evidence of its loss exists), and
-    the rest in (updated_at, id) order from where the loop's previous walk ended (`window`),
-    wrapping round to the oldest at the cutoff (module docstring), ties on `updated_at`
-    (runs made by one statement) included, at a bounded cost each."""
+def _mark_held(*, now: dt.datetime, config: ReconcileConfig, ids: list | None) -> int:
+    """Mark the held runs among the oldest `mark_size` unmarked queued runs before the
+    cutoff (or among `ids`): those whose pending outbox row was written before the cutoff,
+    and at least twice LATE_PUBLICATION_SECONDS ago, so that the relay stamps them when it
+    publishes them, which voids the mark (module docstring)."""
     cutoff = now - dt.timedelta(seconds=config.queued_after_seconds)
-    queued = Run.objects.filter(state=RunState.QUEUED, updated_at__lt=cutoff)
+    pending_before = min(cutoff, now - dt.timedelta(seconds=2 * LATE_PUBLICATION_SECONDS))
+    return runs_mark_held(
+        updated_before=cutoff, pending_before=pending_before, limit=config.mark_size, ids=ids
+    )
+
+
+def _window(*, now: dt.datetime, config: ReconcileConfig, window: ReconcileWindow) -> list:
+    """The ids of up to `scan_size` runs queued before the cutoff and not marked as held
+    back, read from run_queued_unheld_idx alone (the held ones among them are marked
+    then, and never walked again while held): the oldest tenth (a lost run is never
+    republished by anyone else, so it stays among the oldest: looked at again every pass,
+    once evidence of its loss exists), and the rest in (updated_at, id) order from where
+    the loop's previous walk ended (`window`), wrapping round to the oldest at the cutoff
+    (module docstring), ties on `updated_at` (runs made by one statement) included, at a
+    bounded cost each."""
+    cutoff = now - dt.timedelta(seconds=config.queued_after_seconds)
+    queued = Run.objects.filter(state=RunState.QUEUED, updated_at__lt=cutoff).exclude(
+        held_at=F("updated_at")
+    )
     ordered = queued.order_by("updated_at", "id").values_list("updated_at", "id")
     oldest = list(ordered[: max(1, config.scan_size // 10)])
     seen = {run_id for _, run_id in oldest}
@@ -194,7 +231,10 @@ def _window(*, now: dt.datetime, config: ReconcileConfig, window: ReconcileWindo
         ]
     last = walk[-1:] or oldest[-1:]
     window.end = last[0] if last else None
-    return [run_id for _, run_id in oldest + walk]
+    ids = [run_id for _, run_id in oldest + walk]
+    if ids:
+        _mark_held(now=now, config=config, ids=ids)
+    return ids
 
 
 def _latest_claimed_creations(queues: list[str]) -> dict[str, dt.datetime]:

@@ -192,6 +192,11 @@ class Run(models.Model):
     retry_base = models.PositiveIntegerField(default=0)
     # Times reconciliation re-published this run because its message never reached a worker.
     republish_count = models.PositiveIntegerField(default=0)
+    # Reconciliation's mark on a queued run whose message waits in the outbox on purpose
+    # (backpressure, a paused queue, an owner's limit): the `updated_at` it had when
+    # marked. Any later stamp of `updated_at` (its late publication, a republication, any
+    # transition) voids the mark, so it never hides a published run (dispatch.reconciler).
+    held_at = models.DateTimeField(null=True, blank=True)
 
     class Meta:
         indexes = [
@@ -202,8 +207,13 @@ class Run(models.Model):
                 name="run_retry_due_idx",
                 condition=Q(state="retry_wait"),
             ),
-            # Reconciliation looks for runs queued for long without a worker's claim.
-            models.Index(fields=["updated_at"], name="run_queued_idx", condition=Q(state="queued")),
+            # Reconciliation looks for runs queued for long without a worker's claim, past
+            # the runs it marked as held back in the outbox (their mark still valid).
+            models.Index(
+                fields=["updated_at", "id"],
+                name="run_queued_unheld_idx",
+                condition=Q(state="queued") & ~Q(held_at=F("updated_at")),
+            ),
             # The scheduler releases pending runs (jitter, buffer_one) once due.
             models.Index(fields=["due_at"], name="run_pending_idx", condition=Q(state="pending")),
             # A job's active runs (overlap policy, the completer) and its latest finished

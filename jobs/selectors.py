@@ -8,7 +8,7 @@ import json
 import re
 
 from django.contrib.auth.models import AbstractBaseUser
-from django.db.models import Min, OuterRef, Prefetch, QuerySet, Subquery
+from django.db.models import F, Min, OuterRef, Prefetch, QuerySet, Subquery
 from django.db.models.fields.json import KeyTextTransform
 from django.db.models.functions import Coalesce, Greatest
 
@@ -198,6 +198,22 @@ def oldest_overdue_seconds(*, now: dt.datetime, oldest_pending: dt.datetime | No
         oldest_pending = oldest_pending_outbox().first()
     waiting = [at for at in (oldest, oldest_pending) if at is not None]
     return max(0.0, (now - min(waiting)).total_seconds()) if waiting else 0.0
+
+
+def oldest_queued_at() -> dt.datetime | None:
+    """When the run queued longest ago was last stamped (queued, published late or
+    republished), in two index probes: the oldest run not marked held back
+    (run_queued_unheld_idx), and the oldest pending outbox row (outbox_pending_age_idx),
+    written with its run's queueing, for the runs reconciliation marked held back."""
+    unheld = (
+        Run.objects.filter(state=RunState.QUEUED)
+        .exclude(held_at=F("updated_at"))
+        .order_by("updated_at", "id")
+        .values_list("updated_at", flat=True)
+        .first()
+    )
+    pending = oldest_pending_outbox().first()
+    return min((at for at in (unheld, pending) if at is not None), default=None)
 
 
 def oldest_pending_outbox() -> QuerySet:

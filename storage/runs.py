@@ -1,4 +1,5 @@
-"""Runs: the claim of a delivered run and the reservation of a packed message's runs.
+"""Runs: the claim of a delivered run and the reservation of a packed message's runs;
+reconciliation's mark of the queued runs held back in the outbox (`runs_mark_held`).
 
 Each statement moves runs from `queued` to `running` and inserts their attempts in one
 statement, atomic without a transaction block of its own: the compare-and-set that issues
@@ -217,3 +218,51 @@ def _claimed(statement: str, params: dict[str, Any]) -> list[ClaimedRun]:
 
 def _uuid(value: uuid.UUID | str) -> uuid.UUID:
     return value if isinstance(value, uuid.UUID) else uuid.UUID(str(value))
+
+
+RUN_TABLE = "jobs_run"
+OUTBOX_TABLE = "dispatch_outboxmessage"
+# run_queued_unheld_idx's predicate, as the ORM writes it (jobs.models.Run): a statement
+# that says it the same way is served by the index.
+QUEUED_UNHELD = "r.state = 'queued' AND NOT (r.held_at = r.updated_at AND r.held_at IS NOT NULL)"
+
+
+def runs_mark_held(
+    *,
+    updated_before: dt.datetime,
+    pending_before: dt.datetime,
+    limit: int,
+    ids: list[uuid.UUID] | None = None,
+) -> int:
+    """Mark as held back the queued runs whose message still waits in the outbox (a pending
+    row written before `pending_before`): `held_at` set to their `updated_at`, which takes
+    them out of run_queued_unheld_idx until that is stamped again. Looks at the oldest
+    `limit` unmarked queued runs last stamped before `updated_before` (or at those among
+    `ids`), read from run_queued_unheld_idx, each with one probe of the outbox by run.
+    Its conditions are checked again on the row as locked: a run published (and so
+    stamped) meanwhile is left alone. Runs in its own statement; locks the rows it marks,
+    passing over rows locked by others (SKIP LOCKED). Returns the runs marked."""
+    among = "" if ids is None else "AND r.id = ANY(%(ids)s)"
+    with connection.cursor() as cursor:
+        cursor.execute(
+            f"""
+            WITH oldest AS (
+                SELECT r.id FROM {RUN_TABLE} AS r
+                 WHERE {QUEUED_UNHELD} AND r.updated_at < %(updated_before)s {among}
+                 ORDER BY r.updated_at, r.id
+                 LIMIT %(limit)s
+            ), held AS (
+                SELECT r.id FROM {RUN_TABLE} AS r
+                 WHERE r.id = ANY(ARRAY(SELECT id FROM oldest))
+                   AND {QUEUED_UNHELD} AND r.updated_at < %(updated_before)s
+                   AND EXISTS (SELECT FROM {OUTBOX_TABLE} AS o
+                                WHERE o.run_id = r.id AND o.created_at < %(pending_before)s)
+                   FOR UPDATE OF r SKIP LOCKED
+            )
+            UPDATE {RUN_TABLE} AS r SET held_at = r.updated_at
+             WHERE r.id = ANY(ARRAY(SELECT id FROM held))
+            """,
+            {"updated_before": updated_before, "pending_before": pending_before,
+             "limit": limit, "ids": ids},
+        )  # fmt: skip
+        return cursor.rowcount

@@ -9,23 +9,26 @@ transaction."""
 from __future__ import annotations
 
 import datetime as dt
+import uuid
 
 import pytest
 from django.db import connection, transaction
 from django.db.models import F
+from django.test.utils import CaptureQueriesContext
 
 from dispatch.completer import _awaiting, _finished
 from dispatch.materializer import active_scheduled_runs
 from dispatch.reconciler import (
     ReconcileConfig,
     ReconcileWindow,
+    _mark_held,
     _oldest_stuck,
     _window,
     reconcile_run_once,
 )
 from dispatch.scheduler import SchedulerConfig, scheduler_run_once
-from jobs.models import Job, JobVersion, Run, RunState
-from jobs.selectors import oldest_pending_outbox
+from jobs.models import Job, JobVersion, OutboxMessage, Run, RunState
+from jobs.selectors import oldest_pending_outbox, oldest_queued_at
 from storage.jobs import LATEST_FINISHED
 from tests.factories import make_job, publish
 
@@ -87,10 +90,70 @@ def test_pause_after_failures_reads_each_jobs_latest_finished_runs_only(user):
     assert "run_job_finished_idx" in text and "Limit" in text, text
 
 
-def test_reconciliation_reads_its_window_from_the_queued_runs_index():
-    queued = Run.objects.filter(state=RunState.QUEUED, updated_at__lt=NOW, updated_at__gte=NOW)
-    text = queryset_plan(queued.order_by("updated_at", "id").values_list("id", flat=True)[:2000])
-    assert "run_queued_idx" in text, text
+def test_reconciliation_reads_its_window_from_the_unheld_queued_runs_index():
+    window = ReconcileWindow(end=(NOW - dt.timedelta(hours=1), uuid.uuid4()))
+    with CaptureQueriesContext(connection) as queries:
+        _window(now=NOW, config=ReconcileConfig(), window=window)
+    selects = [q["sql"] for q in queries.captured_queries if q["sql"].startswith("SELECT")]
+    assert len(selects) == 3, selects  # the oldest tenth, the walk, the wrap
+    for sql in selects:
+        text = plan(sql)
+        assert "run_queued_unheld_idx" in text, text
+    with CaptureQueriesContext(connection) as queries:
+        oldest_queued_at()  # the dashboard's, beside the oldest pending outbox row
+    assert "run_queued_unheld_idx" in plan(queries.captured_queries[0]["sql"])
+    with CaptureQueriesContext(connection) as queries:
+        _mark_held(now=NOW, config=ReconcileConfig(), ids=None)
+    text = plan(queries.captured_queries[0]["sql"])
+    assert "run_queued_unheld_idx" in text and "Limit" in text, text
+
+
+def test_a_lost_run_is_found_in_passes_independent_of_the_runs_held_back(user):
+    """5,000 runs queued two hours ago whose messages still wait in the outbox (an owner at
+    its limit, a paused queue), and one run published an hour ago whose message was lost:
+    with windows of 100, walking the held runs would take 56 passes to reach it; they are
+    marked held (once) and skipped, so it is published again at the first pass, and a
+    second one lost later at the next, while the held runs wait untouched."""
+    job = make_job(user, now=NOW - dt.timedelta(hours=4))
+    version = job.versions.get()
+    held_at = NOW - dt.timedelta(hours=2)
+    Run.objects.bulk_create(
+        Run(job=job, job_version=version, kind="manual", state=RunState.QUEUED,
+            scheduled_for=held_at, idempotency_key=f"held {n}", due_at=held_at,
+            created_at=held_at)
+        for n in range(5000)
+    )  # fmt: skip
+    Run.objects.update(updated_at=F("created_at"))
+    OutboxMessage.objects.bulk_create(
+        OutboxMessage(run_id=run_id, owner=user, task_name="tests.record", queue="jobs",
+                      created_at=held_at)
+        for run_id in Run.objects.values_list("id", flat=True)
+    )  # fmt: skip
+
+    def lost_run(name: str, at: dt.datetime) -> Run:
+        run = Run.objects.create(
+            job=job, job_version=version, kind="manual", state=RunState.QUEUED,
+            scheduled_for=at, idempotency_key=name, due_at=at, created_at=at,
+        )  # fmt: skip
+        Run.objects.filter(id=run.id).update(updated_at=at)  # published, then lost
+        return run
+
+    first = lost_run("lost first", NOW - dt.timedelta(hours=1))
+    config = ReconcileConfig(queued_after_seconds=300, scan_size=100)
+    window = ReconcileWindow()
+
+    def reconcile(now: dt.datetime) -> int:
+        return reconcile_run_once(
+            now=now, config=config, queue_depth=lambda queue: 0, window=window
+        ).republished
+
+    assert reconcile(NOW) == 1
+    assert Run.objects.get(id=first.id).republish_count == 1
+    second = lost_run("lost second", NOW - dt.timedelta(minutes=30))
+    assert reconcile(NOW + dt.timedelta(seconds=5)) == 1
+    assert Run.objects.get(id=second.id).republish_count == 1
+    assert OutboxMessage.objects.filter(run__idempotency_key__startswith="held").count() == 5000
+    assert not Run.objects.filter(idempotency_key__startswith="held", republish_count__gt=0)
 
 
 def test_the_stuck_outbox_alarm_and_metrics_read_the_oldest_pending_rows_by_index():

@@ -34,7 +34,7 @@ from jobs.models import (
     RunState,
 )
 from jobs.services import run_replay_request
-from jobs.transitions import run_claim
+from jobs.transitions import run_claim, runs_stamp_published_late
 from tests.factories import publish
 from tests.factories import run_snapshot as snapshot
 
@@ -156,10 +156,30 @@ def test_a_run_whose_outbox_row_is_still_pending_is_left_alone(queued_run, windo
 
     result = reconcile_run_once(now=NOW, config=CONFIG, queue_depth=empty_queue, window=window)
 
-    # Only alarmed: the relay keeps trying to publish it.
+    # Only alarmed: the relay keeps trying to publish it. Marked held back (its
+    # `updated_at` kept in `held_at`), so that later windows pass over it.
     assert result == ReconcileResult(outbox_stuck=1)
-    assert snapshot(run.id) == before
+    marked = Run.objects.get(id=run.id)
+    assert before[0]["held_at"] is None and marked.held_at == marked.updated_at
+    after = snapshot(run.id)
+    after[0]["held_at"] = None
+    assert after == before
     assert not AuditEvent.objects.filter(run=run).exists()
+
+
+def test_a_run_marked_held_back_then_published_late_and_lost_is_published_again(queued_run, window):
+    """The mark of a held run is void once the relay publishes it late (its `updated_at`
+    stamped, runs_stamp_published_late): lost then, it is found like any other."""
+    run = queued_run(created=NOW - dt.timedelta(hours=2))
+    reconcile_run_once(now=later(-5400), config=CONFIG, queue_depth=empty_queue, window=window)
+    assert Run.objects.get(id=run.id).held_at == NOW - dt.timedelta(hours=2)
+    OutboxMessage.objects.filter(run=run).delete()  # the relay, an hour late
+    assert runs_stamp_published_late(run_ids=[run.id], now=later(-3600)) == 1
+
+    result = reconcile_run_once(now=NOW, config=CONFIG, queue_depth=empty_queue, window=window)
+
+    assert result.republished == 1
+    assert Run.objects.get(id=run.id).republish_count == 1
 
 
 def test_a_row_held_back_by_a_full_queue_or_an_owner_s_limit_is_not_alarmed(

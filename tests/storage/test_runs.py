@@ -1,5 +1,5 @@
-"""storage.runs against PostgreSQL: the claim and the reservation, and their races on two
-real connections."""
+"""storage.runs against PostgreSQL: the claim and the reservation, reconciliation's mark of
+held runs, and their races on two real connections."""
 
 from __future__ import annotations
 
@@ -9,9 +9,11 @@ import uuid
 
 import pytest
 from django.db import transaction
+from django.db.models import F
 
-from jobs.models import Attempt, AttemptState, Run, RunState
-from storage.runs import run_claim, runs_reserve
+from jobs.models import Attempt, AttemptState, OutboxMessage, Run, RunState
+from jobs.transitions import runs_stamp_published_late
+from storage.runs import run_claim, runs_mark_held, runs_reserve
 from tests.factories import PINNED_NOW
 from tests.threads import in_thread, wait_for_lock_waiters
 
@@ -161,3 +163,56 @@ def test_two_overlapping_reservations_reserve_each_run_once(queued_run):
 
     assert len(results["one"]) == 2 and results["other"] == []
     assert Attempt.objects.filter(run__in=[first, second]).count() == 2
+
+
+def _mark(at: dt.datetime, **kwargs) -> int:
+    """runs_mark_held as reconciliation calls it at `at` with its default wait (300 s)."""
+    before = at - dt.timedelta(seconds=300)
+    return runs_mark_held(updated_before=before, pending_before=before, limit=100, **kwargs)
+
+
+@pytest.mark.django_db
+def test_only_runs_whose_message_waits_in_the_outbox_are_marked_held_until_stamped(queued_run):
+    held, published, recent = queued_run(), queued_run(), queued_run()
+    OutboxMessage.objects.filter(run=published).delete()
+    OutboxMessage.objects.filter(run=recent).update(created_at=later(3600))
+    for run in (held, published, recent):
+        Run.objects.filter(id=run.id).update(updated_at=NOW)
+
+    assert _mark(later(600), ids=[published.id, recent.id]) == 0
+    assert _mark(later(600)) == 1
+    assert _mark(later(600)) == 0  # marked: out of run_queued_unheld_idx
+    marks = dict(Run.objects.values_list("id", "held_at"))
+    assert marks == {held.id: NOW, published.id: None, recent.id: None}
+    # Published late: the relay stamps updated_at, and the mark no longer holds.
+    assert runs_stamp_published_late(run_ids=[held.id], now=later(900)) == 1
+    assert Run.objects.filter(id=held.id).exclude(held_at=F("updated_at")).exists()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_run_a_relay_is_stamping_is_passed_over_and_stays_unmarked(queued_run):
+    """A relay publishing the run late holds its row (outbox row deleted, updated_at
+    stamped, not yet committed): the mark skips it, and after the commit finds it
+    published."""
+    run = queued_run()
+    Run.objects.filter(id=run.id).update(updated_at=NOW)
+    holding, release = threading.Event(), threading.Event()
+    errors: list = []
+
+    def publish_and_hold() -> None:
+        with transaction.atomic():
+            OutboxMessage.objects.filter(run=run).delete()
+            runs_stamp_published_late(run_ids=[run.id], now=later(500))
+            holding.set()
+            release.wait(10)
+
+    thread = in_thread(publish_and_hold, errors)
+    try:
+        assert holding.wait(10)
+        assert _mark(later(600)) == 0
+    finally:
+        release.set()
+        thread.join(10)
+    assert errors == []
+    assert _mark(later(600)) == 0
+    assert Run.objects.get(id=run.id).held_at is None
