@@ -140,3 +140,53 @@ def test_a_one_time_chain_and_a_fan_in_over_twenty_cron_boundaries(stack, make_j
     assert c_skip.state == RunState.SKIPPED
     assert c_skip.skip_reason.startswith(f"upstream: job {b.id} run {skipped_b.id} ended skipped")
     assert Run.objects.filter(job=c, state=RunState.SUCCEEDED).count() == 19
+
+
+def test_a_fan_in_whose_other_upstream_never_runs_is_skipped_after_the_default_bound(
+    stack, make_job
+):
+    """C after an hourly A and a daily B, no `within_seconds`: at A's hourly instants B
+    never runs, so each of those gates is decided by SCHEDULER_DEPENDENCY_WITHIN_SECONDS
+    (3 s here) as a `skipped` C naming A's run and the missing B; D after C follows; no
+    gate is left waiting."""
+    from jobs.models import DependencyGate
+
+    now = dt.datetime.now(dt.UTC)
+    hourly = {"schedule": {"kind": "cron", "expression": "0 * * * *"},
+              "start_at": "2099-01-01T00:00:00Z"}  # fmt: skip
+    daily = {"schedule": {"kind": "cron", "expression": "0 0 * * *"},
+             "start_at": "2099-01-01T00:00:00Z"}  # fmt: skip
+    a = make_job(now=now, name="A", task="tests.record", **hourly)
+    b = make_job(now=now, name="B", task="tests.record", **daily)
+    c = make_job(now=now, name="C", task="tests.record",
+                 schedule={"kind": "after", "jobs": [str(a.id), str(b.id)]})  # fmt: skip
+    d = make_job(now=now, name="D", task="tests.record",
+                 schedule={"kind": "after", "jobs": [str(c.id)]})  # fmt: skip
+    hour = now.replace(minute=0, second=0, microsecond=0)
+    # Three past hours, none of them midnight: B has no occurrence at any of them.
+    instants = [i for i in backfill_occurrences(job=a, start=hour - dt.timedelta(hours=4),
+                                                end=hour) if i.hour != 0][:3]  # fmt: skip
+    assert len(instants) == 3
+    stack.scheduler(SCHEDULER_DEPENDENCY_WITHIN_SECONDS="3")
+    stack.relay()
+    stack.worker()
+    assert job_backfill(job=a, instants=instants, actor=a.owner, now=now)
+
+    def decided(job):
+        return Run.objects.filter(job=job, state__in=["succeeded", "failed", "skipped"]).count()
+
+    wait_for(lambda: decided(d) == 3, timeout=120, interval=0.5, message="3 D runs decided")
+    a_runs = {run.scheduled_for: run for run in Run.objects.filter(job=a)}
+    for c_run in Run.objects.filter(job=c):
+        first = a_runs[c_run.scheduled_for]
+        assert first.state == RunState.SUCCEEDED
+        assert c_run.state == RunState.SKIPPED
+        assert c_run.skip_reason == (
+            f"upstream: job {a.id} run {first.id} waited 3s (the default bound) for {b.id}"
+        )
+        assert c_run.created_at >= first.finished_at + dt.timedelta(seconds=3)
+        d_run = Run.objects.get(job=d, scheduled_for=c_run.scheduled_for)
+        assert d_run.state == RunState.SKIPPED
+        assert d_run.skip_reason.startswith(f"upstream: job {c.id} run {c_run.id} ended skipped")
+    assert not Run.objects.filter(job=b).exists()
+    assert not DependencyGate.objects.filter(state="waiting").exists()
