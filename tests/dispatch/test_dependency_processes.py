@@ -148,7 +148,8 @@ def test_a_fan_in_whose_other_upstream_never_runs_is_skipped_after_the_default_b
     """C after an hourly A and a daily B, no `within_seconds`: at A's hourly instants B
     never runs, so each of those gates is decided by SCHEDULER_DEPENDENCY_WITHIN_SECONDS
     (3 s here) as a `skipped` C naming A's run and the missing B; D after C follows; no
-    gate is left waiting."""
+    gate is left waiting. E, after the same two with `within_seconds` 1, is decided by its
+    own bound."""
     from jobs.models import DependencyGate
 
     now = dt.datetime.now(dt.UTC)
@@ -162,6 +163,9 @@ def test_a_fan_in_whose_other_upstream_never_runs_is_skipped_after_the_default_b
                  schedule={"kind": "after", "jobs": [str(a.id), str(b.id)]})  # fmt: skip
     d = make_job(now=now, name="D", task="tests.record",
                  schedule={"kind": "after", "jobs": [str(c.id)]})  # fmt: skip
+    e = make_job(now=now, name="E", task="tests.record",
+                 schedule={"kind": "after", "jobs": [str(a.id), str(b.id)],
+                           "within_seconds": 1})  # fmt: skip
     hour = now.replace(minute=0, second=0, microsecond=0)
     # Three past hours, none of them midnight: B has no occurrence at any of them.
     instants = [i for i in backfill_occurrences(job=a, start=hour - dt.timedelta(hours=4),
@@ -175,7 +179,8 @@ def test_a_fan_in_whose_other_upstream_never_runs_is_skipped_after_the_default_b
     def decided(job):
         return Run.objects.filter(job=job, state__in=["succeeded", "failed", "skipped"]).count()
 
-    wait_for(lambda: decided(d) == 3, timeout=120, interval=0.5, message="3 D runs decided")
+    wait_for(lambda: decided(d) == 3 and decided(e) == 3, timeout=120, interval=0.5,
+             message="3 D and 3 E runs decided")  # fmt: skip
     a_runs = {run.scheduled_for: run for run in Run.objects.filter(job=a)}
     for c_run in Run.objects.filter(job=c):
         first = a_runs[c_run.scheduled_for]
@@ -188,5 +193,11 @@ def test_a_fan_in_whose_other_upstream_never_runs_is_skipped_after_the_default_b
         d_run = Run.objects.get(job=d, scheduled_for=c_run.scheduled_for)
         assert d_run.state == RunState.SKIPPED
         assert d_run.skip_reason.startswith(f"upstream: job {c.id} run {c_run.id} ended skipped")
+    for e_run in Run.objects.filter(job=e):
+        first = a_runs[e_run.scheduled_for]
+        assert e_run.state == RunState.SKIPPED
+        assert e_run.skip_reason == (
+            f"upstream: job {a.id} run {first.id} waited 1s (within_seconds) for {b.id}"
+        )
     assert not Run.objects.filter(job=b).exists()
     assert not DependencyGate.objects.filter(state="waiting").exists()
