@@ -201,3 +201,40 @@ def test_a_fan_in_whose_other_upstream_never_runs_is_skipped_after_the_default_b
         )
     assert not Run.objects.filter(job=b).exists()
     assert not DependencyGate.objects.filter(state="waiting").exists()
+
+
+def test_two_upstreams_ending_together_in_two_workers_make_one_dependent_run(stack, make_job):
+    """A fan-in's two upstreams run in two worker processes and end on the same wall-clock
+    tick, occurrence after occurrence, with two scheduler replicas applying the ends: one B
+    run per instant, listing both upstream runs."""
+    now = dt.datetime.now(dt.UTC)
+    a1 = make_job(now=now, name="A1", task="tests.end_on_the_tick", **CRON_HEAD)
+    a2 = make_job(now=now, name="A2", task="tests.end_on_the_tick", **CRON_HEAD)
+    b = make_job(now=now, name="B", task="tests.record",
+                 schedule={"kind": "after", "jobs": [str(a1.id), str(a2.id)]})  # fmt: skip
+    minute = now.replace(second=0, microsecond=0)
+    instants = backfill_occurrences(job=a1, start=minute - dt.timedelta(minutes=30), end=minute)
+    for at in instants:  # A1's and A2's runs of an instant side by side in the queue
+        for head in (a1, a2):
+            assert job_backfill(job=head, instants=[at], actor=head.owner, now=now)
+    stack.worker("w1", concurrency=1)  # both ready before anything is published
+    stack.worker("w2", concurrency=1)
+    stack.scheduler("scheduler-1")
+    stack.scheduler("scheduler-2")
+    stack.relay()
+
+    def decided():
+        return Run.objects.filter(job=b, state__in=["succeeded", "failed", "skipped"]).count()
+
+    wait_for(lambda: decided() == 30, timeout=180, interval=0.5, message="30 B runs")
+    time.sleep(1)  # nothing more comes
+    heads = {(run.job_id, run.scheduled_for): run for run in Run.objects.filter(job__in=[a1, a2])}
+    together = 0
+    for run in Run.objects.filter(job=b):
+        ends = [heads[(job.id, run.scheduled_for)] for job in (a1, a2)]
+        assert run.state == RunState.SUCCEEDED
+        assert sorted(upstream_of(run)) == sorted(end.id for end in ends)
+        together += abs(ends[0].finished_at - ends[1].finished_at) < dt.timedelta(seconds=0.05)
+    assert Run.objects.filter(job=b).count() == 30
+    print(f"pairs of upstream ends within 50 ms of each other: {together} of 30")
+    assert together >= 10  # the race was run, not just described
