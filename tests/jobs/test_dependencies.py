@@ -450,3 +450,35 @@ def test_a_dependent_behind_its_calendar_is_skipped_by_the_one_decision(user):
     scheduler_pass(later(7))
     c_run = run_of(c)
     assert c_run.state == RunState.SKIPPED and c_run.skip_reason.startswith("upstream:")
+
+
+def test_migration_0011_gives_gates_waiting_without_a_deadline_the_default(user, settings):
+    """Gates left waiting without a deadline (before every gate had one) get the default
+    bound from their creation; a decided gate and one with its own deadline are untouched."""
+    import importlib
+
+    from django.db import connection
+
+    migration = importlib.import_module("jobs.migrations.0011_dependency_gate_default_deadline")
+    settings.SCHEDULER_DEPENDENCY_WITHIN_SECONDS = 600
+    a1, a2 = head(user, "A1"), head(user, "A2")
+    b = after(user, a1, a2)
+    own = PINNED_NOW + dt.timedelta(seconds=30)
+    gates = [
+        DependencyGate.objects.create(
+            job=b,
+            scheduled_for=PINNED_NOW + dt.timedelta(minutes=i),
+            kind="scheduled",
+            missing=1,
+            created_at=PINNED_NOW,
+            state=state,
+            deadline_at=deadline,
+        )  # fmt: skip
+        for i, (state, deadline) in enumerate(
+            [("waiting", None), ("waiting", own), ("decided", None)]
+        )
+    ]
+    with connection.schema_editor() as editor:
+        migration.gates_bound(None, editor)
+    deadlines = [DependencyGate.objects.get(id=g.id).deadline_at for g in gates]
+    assert deadlines == [PINNED_NOW + dt.timedelta(seconds=600), own, None]
