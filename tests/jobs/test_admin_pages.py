@@ -219,7 +219,15 @@ def test_the_job_page_says_its_schedule_in_words_with_next_fires_and_dst_flags(
     assert 'id="do-resume_jobs"' not in page  # an active job: Pause, not Resume
 
 
-def test_schedule_words_of_each_kind():
+def test_schedule_words_of_each_kind(settings):
+    settings.SCHEDULER_DEPENDENCY_WITHIN_SECONDS = 86400
+    fan_in = {"kind": "after", "jobs": ["a", "b"]}
+    assert schedule_words({"schedule": fan_in}).endswith(
+        "; all within 86400 s of the first (the default bound)."
+    )
+    assert "within 60 s of the first." in schedule_words(
+        {"schedule": {**fan_in, "within_seconds": 60}}
+    )
     assert schedule_words({"schedule": {"kind": "interval", "every_seconds": 300}}) == (
         "Every 5 minutes, counted from the job's creation."
     )
