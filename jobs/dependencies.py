@@ -7,7 +7,8 @@ Everything that decides a dependent occurrence is here, in one place:
   of storage.dependencies in the transaction of each run's terminal transition) counted
   into a gate per (dependent job, instant, kind), and the gate decided once: the
   dependent's run with its outbox row, or a `skipped` run whose reason begins `upstream:`;
-- `dependency_deadlines_apply`: gates whose `within_seconds` passed, skipped;
+- `dependency_deadlines_apply`: gates whose `within_seconds` (or, without one,
+  SCHEDULER_DEPENDENCY_WITHIN_SECONDS) passed, skipped;
 - `dependency_held_release`: gates completed while their job was paused, decided by its
   misfire policy once it is active again.
 
@@ -24,6 +25,7 @@ import datetime as dt
 import logging
 import uuid
 
+from django.conf import settings
 from django.db import transaction
 from django.db.models import F, Func, Value
 
@@ -62,6 +64,13 @@ ON_STATES = {
     "finished": frozenset({RunState.SUCCEEDED, RunState.FAILED}),
 }
 DEFAULT_ON = "succeeded"
+
+
+def within_seconds_of(schedule: dict) -> float:
+    """How long a fan-in waits after its first upstream arrived: the schedule's
+    `within_seconds`, else SCHEDULER_DEPENDENCY_WITHIN_SECONDS (every gate has a deadline,
+    so every occurrence is decided within a bound and waiting gates stay bounded in number)."""
+    return schedule.get("within_seconds") or settings.SCHEDULER_DEPENDENCY_WITHIN_SECONDS
 
 
 class DependencyCycle(ValueError):
@@ -334,10 +343,9 @@ def dependent_occurrence_arrive(
         state = GateState.WAITING
     else:
         state = GateState.HELD if job.state == JobState.PAUSED else GateState.DECIDED
-    within = schedule.get("within_seconds")
     deadline = gate.deadline_at
-    if deadline is None and within and state == GateState.WAITING:
-        deadline = now + dt.timedelta(seconds=within)
+    if deadline is None and state == GateState.WAITING:
+        deadline = now + dt.timedelta(seconds=within_seconds_of(schedule))
     # The run's id goes in with the decision (the foreign key is checked at commit).
     run_id = uuid.uuid4() if state == GateState.DECIDED else None
     won = DependencyGate.objects.filter(
@@ -422,7 +430,8 @@ def _decide_gate(
 
 
 def dependency_deadlines_apply(*, now: dt.datetime, limit: int) -> Decisions:
-    """Skip up to `limit` waiting gates whose `within_seconds` has passed, through
+    """Skip up to `limit` waiting gates whose deadline (`within_seconds`, or the default
+    bound) has passed, through
     dependency_gate_deadline_idx (FOR UPDATE SKIP LOCKED), never reading runs. The reason
     names the first upstream run that arrived and the jobs still missing."""
     decisions = Decisions()
@@ -444,14 +453,25 @@ def dependency_deadlines_apply(*, now: dt.datetime, limit: int) -> Decisions:
         absent = [str(j) for j in job.spec["schedule"].get("jobs", ()) if str(j) not in arrived]
         first_job = gate.arrived_jobs[0] if gate.arrived_jobs else None
         first_run = gate.arrived_runs[0] if gate.arrived_runs else None
+        within = job.spec["schedule"].get("within_seconds")
+        bound = (
+            f"{within}s (within_seconds)"
+            if within
+            else f"{_seconds(gate.deadline_at - gate.created_at)}s (the default bound)"
+        )
         reason = (
-            f"upstream: job {first_job} run {first_run} waited"
-            f" {job.spec['schedule'].get('within_seconds')}s (within_seconds) for"
+            f"upstream: job {first_job} run {first_run} waited {bound} for"
             f" {', '.join(absent) or 'the others'}"
         )
         _decide_gate(gate=gate, job=job, from_state=GateState.WAITING, skip_reason=reason,
                      now=now, decisions=decisions)  # fmt: skip
     return decisions
+
+
+def _seconds(delta: dt.timedelta) -> str:
+    """A bound as written in a reason: whole seconds unless it has a fraction."""
+    seconds = round(delta.total_seconds(), 3)
+    return str(int(seconds)) if seconds == int(seconds) else str(seconds)
 
 
 def dependency_held_release(*, now: dt.datetime, limit: int) -> Decisions:

@@ -37,6 +37,14 @@ def record(ctx, *args, **kwargs):
     return {"ok": True, "args": list(args)}
 
 
+@job_task(name="tests.end_on_the_tick")
+def end_on_the_tick(ctx, tick=0.25):
+    """Returns at the next multiple of `tick` seconds of wall time: two runs started by two
+    workers within one tick of each other end at the same moment."""
+    time.sleep(tick - time.time() % tick)
+    _record(ctx, "executed")
+
+
 @job_task(name="tests.fail")
 def fail(ctx, message="boom"):
     _record(ctx, "executed")

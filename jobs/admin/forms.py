@@ -17,11 +17,14 @@ from django.http import HttpResponseRedirect
 from django.template.response import TemplateResponse
 from rest_framework import serializers
 
+from storage.dependencies import dependency_graph_lock
+
 from ..api.refusals import refusal
 from ..api.validation import dependencies_check, job_patched_spec, job_spec_check
 from ..calendar_services import job_calendars_check
 from ..calendars import CalendarRefused
 from ..clock import db_now
+from ..dependencies import DependencyCycle, is_dependent
 from ..models import Job
 from ..redaction import redact_value, unmask
 from ..registry import registered_task_names
@@ -109,6 +112,11 @@ class JobBodyForm(forms.ModelForm):
                 raise forms.ValidationError(_moved_on(job))
             self.spec = job_patched_spec(spec=job.spec, patch=unmask(data["body"], job.spec))
             job_calendars_check(jobs=[Job(id=job.id, owner_id=job.owner_id, spec=self.spec)])
+            if is_dependent(self.spec):
+                # The admin checks and saves in one transaction: with the graph's lock taken
+                # here, a concurrent edit that closes a cycle with this one has committed
+                # (and is seen by the check) or waits for this one.
+                dependency_graph_lock()
             dependencies_check(spec=self.spec, visible=job_list(user=self.owner), job_id=job.id)
         except serializers.ValidationError as exc:
             for line in validation_messages(exc.detail):
@@ -142,14 +150,19 @@ class JobEditing:
         if not change:
             created = job_create(owner=request.user, spec=form.spec, now=now)
             obj.id = created.id
-        elif not job_update(job=obj, spec=form.spec, expected_version=form.cleaned_data[
-                "based_on"], actor=request.user, now=now):  # fmt: skip
-            obj.refresh_from_db()
-            obj.edit_refused = (
-                refusal("job.change", state=obj.state)
-                if not job_is_editable(job=obj)
-                else _moved_on(obj)
-            )
+        else:
+            try:
+                updated = job_update(job=obj, spec=form.spec, actor=request.user, now=now,
+                                     expected_version=form.cleaned_data["based_on"])  # fmt: skip
+            except DependencyCycle:  # rolled back whole; the form's check holds the lock first
+                updated, obj.edit_refused = False, "it would make a cycle with a concurrent edit."
+            if not updated and not getattr(obj, "edit_refused", None):
+                obj.refresh_from_db()
+                obj.edit_refused = (
+                    refusal("job.change", state=obj.state)
+                    if not job_is_editable(job=obj)
+                    else _moved_on(obj)
+                )
         obj.refresh_from_db()
         obj._state.adding = False
 

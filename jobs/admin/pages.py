@@ -8,6 +8,7 @@ import datetime as dt
 import json
 
 from cron_descriptor import ExpressionDescriptor, Options
+from django.conf import settings
 from django.urls import reverse
 
 from .. import schedules
@@ -72,6 +73,9 @@ def schedule_words(spec: dict) -> str:
         )
         if schedule.get("within_seconds"):
             words += f"; all within {schedule['within_seconds']} s of the first"
+        elif len(schedule["jobs"]) > 1:
+            bound = settings.SCHEDULER_DEPENDENCY_WITHIN_SECONDS
+            words += f"; all within {bound:g} s of the first (the default bound)"
     elif schedule["kind"] == "interval":
         anchor = "start_at" if spec.get("start_at") else "the job's creation"
         words = f"{_every(schedule['every_seconds']).capitalize()}, counted from {anchor}"

@@ -120,6 +120,12 @@ SCHEDULER_LOG_MAX_BYTES = int(env_str("SCHEDULER_LOG_MAX_BYTES", str(10 * 1024 *
 SCHEDULER_METRICS_TOKEN = os.environ.get("SCHEDULER_METRICS_TOKEN", "")
 # The most active and paused jobs one owner may hold (429 beyond it).
 SCHEDULER_OWNER_MAX_JOBS = int(env_str("SCHEDULER_OWNER_MAX_JOBS", "100000"))
+# A fan-in (a job after several jobs) without its own `within_seconds` waits at most this
+# long after its first upstream arrived for the others, then records the occurrence
+# `skipped` (`upstream: ...`): every gate is decided within a bound.
+SCHEDULER_DEPENDENCY_WITHIN_SECONDS = env_number(
+    "SCHEDULER_DEPENDENCY_WITHIN_SECONDS", 86400, minimum=1, maximum=366 * 86400
+)
 # Webhooks may target loopback, private and link-local addresses (tests, one machine).
 SCHEDULER_WEBHOOK_ALLOW_PRIVATE = env_bool("SCHEDULER_WEBHOOK_ALLOW_PRIVATE", False)
 # The first retry of a webhook delivery waits this long; each next one twice as long.

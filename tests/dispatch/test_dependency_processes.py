@@ -140,3 +140,101 @@ def test_a_one_time_chain_and_a_fan_in_over_twenty_cron_boundaries(stack, make_j
     assert c_skip.state == RunState.SKIPPED
     assert c_skip.skip_reason.startswith(f"upstream: job {b.id} run {skipped_b.id} ended skipped")
     assert Run.objects.filter(job=c, state=RunState.SUCCEEDED).count() == 19
+
+
+def test_a_fan_in_whose_other_upstream_never_runs_is_skipped_after_the_default_bound(
+    stack, make_job
+):
+    """C after an hourly A and a daily B, no `within_seconds`: at A's hourly instants B
+    never runs, so each of those gates is decided by SCHEDULER_DEPENDENCY_WITHIN_SECONDS
+    (3 s here) as a `skipped` C naming A's run and the missing B; D after C follows; no
+    gate is left waiting. E, after the same two with `within_seconds` 1, is decided by its
+    own bound."""
+    from jobs.models import DependencyGate
+
+    now = dt.datetime.now(dt.UTC)
+    hourly = {"schedule": {"kind": "cron", "expression": "0 * * * *"},
+              "start_at": "2099-01-01T00:00:00Z"}  # fmt: skip
+    daily = {"schedule": {"kind": "cron", "expression": "0 0 * * *"},
+             "start_at": "2099-01-01T00:00:00Z"}  # fmt: skip
+    a = make_job(now=now, name="A", task="tests.record", **hourly)
+    b = make_job(now=now, name="B", task="tests.record", **daily)
+    c = make_job(now=now, name="C", task="tests.record",
+                 schedule={"kind": "after", "jobs": [str(a.id), str(b.id)]})  # fmt: skip
+    d = make_job(now=now, name="D", task="tests.record",
+                 schedule={"kind": "after", "jobs": [str(c.id)]})  # fmt: skip
+    e = make_job(now=now, name="E", task="tests.record",
+                 schedule={"kind": "after", "jobs": [str(a.id), str(b.id)],
+                           "within_seconds": 1})  # fmt: skip
+    hour = now.replace(minute=0, second=0, microsecond=0)
+    # Three past hours, none of them midnight: B has no occurrence at any of them.
+    instants = [i for i in backfill_occurrences(job=a, start=hour - dt.timedelta(hours=4),
+                                                end=hour) if i.hour != 0][:3]  # fmt: skip
+    assert len(instants) == 3
+    stack.scheduler(SCHEDULER_DEPENDENCY_WITHIN_SECONDS="3")
+    stack.relay()
+    stack.worker()
+    assert job_backfill(job=a, instants=instants, actor=a.owner, now=now)
+
+    def decided(job):
+        return Run.objects.filter(job=job, state__in=["succeeded", "failed", "skipped"]).count()
+
+    wait_for(lambda: decided(d) == 3 and decided(e) == 3, timeout=120, interval=0.5,
+             message="3 D and 3 E runs decided")  # fmt: skip
+    a_runs = {run.scheduled_for: run for run in Run.objects.filter(job=a)}
+    for c_run in Run.objects.filter(job=c):
+        first = a_runs[c_run.scheduled_for]
+        assert first.state == RunState.SUCCEEDED
+        assert c_run.state == RunState.SKIPPED
+        assert c_run.skip_reason == (
+            f"upstream: job {a.id} run {first.id} waited 3s (the default bound) for {b.id}"
+        )
+        assert c_run.created_at >= first.finished_at + dt.timedelta(seconds=3)
+        d_run = Run.objects.get(job=d, scheduled_for=c_run.scheduled_for)
+        assert d_run.state == RunState.SKIPPED
+        assert d_run.skip_reason.startswith(f"upstream: job {c.id} run {c_run.id} ended skipped")
+    for e_run in Run.objects.filter(job=e):
+        first = a_runs[e_run.scheduled_for]
+        assert e_run.state == RunState.SKIPPED
+        assert e_run.skip_reason == (
+            f"upstream: job {a.id} run {first.id} waited 1s (within_seconds) for {b.id}"
+        )
+    assert not Run.objects.filter(job=b).exists()
+    assert not DependencyGate.objects.filter(state="waiting").exists()
+
+
+def test_two_upstreams_ending_together_in_two_workers_make_one_dependent_run(stack, make_job):
+    """A fan-in's two upstreams run in two worker processes and end on the same wall-clock
+    tick, occurrence after occurrence, with two scheduler replicas applying the ends: one B
+    run per instant, listing both upstream runs."""
+    now = dt.datetime.now(dt.UTC)
+    a1 = make_job(now=now, name="A1", task="tests.end_on_the_tick", **CRON_HEAD)
+    a2 = make_job(now=now, name="A2", task="tests.end_on_the_tick", **CRON_HEAD)
+    b = make_job(now=now, name="B", task="tests.record",
+                 schedule={"kind": "after", "jobs": [str(a1.id), str(a2.id)]})  # fmt: skip
+    minute = now.replace(second=0, microsecond=0)
+    instants = backfill_occurrences(job=a1, start=minute - dt.timedelta(minutes=30), end=minute)
+    for at in instants:  # A1's and A2's runs of an instant side by side in the queue
+        for head in (a1, a2):
+            assert job_backfill(job=head, instants=[at], actor=head.owner, now=now)
+    stack.worker("w1", concurrency=1)  # both ready before anything is published
+    stack.worker("w2", concurrency=1)
+    stack.scheduler("scheduler-1")
+    stack.scheduler("scheduler-2")
+    stack.relay()
+
+    def decided():
+        return Run.objects.filter(job=b, state__in=["succeeded", "failed", "skipped"]).count()
+
+    wait_for(lambda: decided() == 30, timeout=180, interval=0.5, message="30 B runs")
+    time.sleep(1)  # nothing more comes
+    heads = {(run.job_id, run.scheduled_for): run for run in Run.objects.filter(job__in=[a1, a2])}
+    together = 0
+    for run in Run.objects.filter(job=b):
+        ends = [heads[(job.id, run.scheduled_for)] for job in (a1, a2)]
+        assert run.state == RunState.SUCCEEDED
+        assert sorted(upstream_of(run)) == sorted(end.id for end in ends)
+        together += abs(ends[0].finished_at - ends[1].finished_at) < dt.timedelta(seconds=0.05)
+    assert Run.objects.filter(job=b).count() == 30
+    print(f"pairs of upstream ends within 50 ms of each other: {together} of 30")
+    assert together >= 10  # the race was run, not just described

@@ -10,6 +10,7 @@ import json
 import pytest
 from django.contrib.auth import get_user_model
 from django.contrib.auth.models import Permission
+from django.db import transaction
 
 from jobs.admin.pages import duration, run_stages, schedule_words
 from jobs.clock import db_now
@@ -128,6 +129,55 @@ def test_an_edit_of_a_version_that_moved_on_changes_nothing(client, admin_superu
     assert job.version == 1 and job.name != "renamed"
 
 
+@pytest.mark.django_db(transaction=True)
+def test_an_edit_that_a_concurrent_edit_makes_a_cycle_is_a_form_error(
+    client, admin_superuser, make_job
+):
+    """Two operators make A after B and B after A at the same moment: the second, whose
+    form was checked before the first committed, gets its form back with the cycle named
+    (400, as the API answers), and nothing of it is written."""
+    import threading
+
+    from jobs.api.validation import job_patched_spec
+    from jobs.models import JobDependency
+    from jobs.services import job_update
+    from tests.threads import in_thread, wait_for_lock_waiters
+
+    a = make_job(name="A", schedule=BERLIN_MORNINGS)
+    b = make_job(name="B", schedule=BERLIN_MORNINGS)
+    holding, release = threading.Event(), threading.Event()
+
+    def first_edit():  # A after B, committed only once the admin's edit is under way
+        with transaction.atomic():
+            spec = job_patched_spec(spec=a.spec, patch={"schedule": after(b)})
+            assert job_update(job=a, spec=spec, expected_version=1, actor=admin_superuser,
+                              now=db_now())  # fmt: skip
+            holding.set()
+            assert release.wait(30)
+
+    answers, errors = [], []
+    first = in_thread(first_edit, errors)
+    assert holding.wait(30)
+    second = in_thread(lambda: answers.append(edit(client, b, {"schedule": after(a)})), errors)
+    wait_for_lock_waiters(1)  # the admin's edit waits for the graph's lock
+    release.set()
+    first.join(30)
+    second.join(30)
+    assert not errors, errors
+    [response] = answers
+    assert response.status_code == 400
+    assert b"schedule.jobs: Would make a cycle" in response.content
+    b.refresh_from_db()
+    assert b.version == 1 and b.spec["schedule"] == BERLIN_MORNINGS
+    assert not JobDependency.objects.filter(dependent=b).exists()
+    assert not JobVersion.objects.filter(job=b, version=2).exists()
+    assert JobDependency.objects.filter(dependent=a, upstream=b).exists()
+
+
+def after(job) -> dict:
+    return {"kind": "after", "jobs": [str(job.id)]}
+
+
 def test_a_cancelled_job_is_shown_not_edited(client, admin_superuser, make_job):
     job = make_job(schedule=BERLIN_MORNINGS)
     job_cancel(job=job, actor=admin_superuser, now=db_now())
@@ -169,7 +219,15 @@ def test_the_job_page_says_its_schedule_in_words_with_next_fires_and_dst_flags(
     assert 'id="do-resume_jobs"' not in page  # an active job: Pause, not Resume
 
 
-def test_schedule_words_of_each_kind():
+def test_schedule_words_of_each_kind(settings):
+    settings.SCHEDULER_DEPENDENCY_WITHIN_SECONDS = 86400
+    fan_in = {"kind": "after", "jobs": ["a", "b"]}
+    assert schedule_words({"schedule": fan_in}).endswith(
+        "; all within 86400 s of the first (the default bound)."
+    )
+    assert "within 60 s of the first." in schedule_words(
+        {"schedule": {**fan_in, "within_seconds": 60}}
+    )
     assert schedule_words({"schedule": {"kind": "interval", "every_seconds": 300}}) == (
         "Every 5 minutes, counted from the job's creation."
     )

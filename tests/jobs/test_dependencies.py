@@ -177,6 +177,33 @@ def test_within_seconds_expiry_skips_by_its_deadline(user):
     assert Run.objects.filter(job=b).count() == 1
 
 
+def test_a_fan_in_without_within_seconds_is_decided_by_the_default_bound(user, settings):
+    """No `within_seconds`: SCHEDULER_DEPENDENCY_WITHIN_SECONDS bounds the wait, so an
+    upstream that never runs at that instant skips the occurrence (and its dependents)
+    instead of leaving a gate waiting for ever."""
+    settings.SCHEDULER_DEPENDENCY_WITHIN_SECONDS = 120
+    a1, a2 = head(user, "A1"), head(user, "A2")
+    b = after(user, a1, a2)
+    c = after(user, b, name="C")
+    scheduler_pass(PINNED_NOW)
+    first = run_of(a1)
+    end(first, at=later(5))
+    scheduler_pass(later(6))
+    gate = DependencyGate.objects.get(job=b)
+    assert gate.deadline_at == later(6) + dt.timedelta(seconds=120)
+    scheduler_pass(later(125))
+    assert run_of(b) is None
+    scheduler_pass(later(127))
+    skipped = run_of(b)
+    assert skipped.state == "skipped"
+    assert skipped.skip_reason == (
+        f"upstream: job {a1.id} run {first.id} waited 120s (the default bound) for {a2.id}"
+    )
+    scheduler_pass(later(128))
+    assert run_of(c).skip_reason.startswith(f"upstream: job {b.id} run {skipped.id} ended skipped")
+    assert not DependencyGate.objects.filter(state="waiting").exists()
+
+
 def test_a_paused_dependent_decides_by_its_misfire_policy_on_resume(user):
     a = head(user)
     b = after(user, a)
@@ -423,3 +450,35 @@ def test_a_dependent_behind_its_calendar_is_skipped_by_the_one_decision(user):
     scheduler_pass(later(7))
     c_run = run_of(c)
     assert c_run.state == RunState.SKIPPED and c_run.skip_reason.startswith("upstream:")
+
+
+def test_migration_0011_gives_gates_waiting_without_a_deadline_the_default(user, settings):
+    """Gates left waiting without a deadline (before every gate had one) get the default
+    bound from their creation; a decided gate and one with its own deadline are untouched."""
+    import importlib
+
+    from django.db import connection
+
+    migration = importlib.import_module("jobs.migrations.0011_dependency_gate_default_deadline")
+    settings.SCHEDULER_DEPENDENCY_WITHIN_SECONDS = 600
+    a1, a2 = head(user, "A1"), head(user, "A2")
+    b = after(user, a1, a2)
+    own = PINNED_NOW + dt.timedelta(seconds=30)
+    gates = [
+        DependencyGate.objects.create(
+            job=b,
+            scheduled_for=PINNED_NOW + dt.timedelta(minutes=i),
+            kind="scheduled",
+            missing=1,
+            created_at=PINNED_NOW,
+            state=state,
+            deadline_at=deadline,
+        )  # fmt: skip
+        for i, (state, deadline) in enumerate(
+            [("waiting", None), ("waiting", own), ("decided", None)]
+        )
+    ]
+    with connection.schema_editor() as editor:
+        migration.gates_bound(None, editor)
+    deadlines = [DependencyGate.objects.get(id=g.id).deadline_at for g in gates]
+    assert deadlines == [PINNED_NOW + dt.timedelta(seconds=600), own, None]
