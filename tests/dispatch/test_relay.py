@@ -517,3 +517,41 @@ def test_a_transport_that_cannot_count_a_queue_has_no_backpressure(tmp_path):
         assert publisher.queue_depth("jobs") is None
     finally:
         publisher.close()
+
+
+class _PublisherRacedBy(ConfirmingPublisher):
+    """A relay's publisher that lets `other` (a step of another relay) run after this
+    relay's claim committed and before its messages go: the instant two relays overlap."""
+
+    def __init__(self, other) -> None:
+        super().__init__(settings.CELERY_BROKER_URL, settings.CELERY_BROKER_TRANSPORT_OPTIONS)
+        self.other = other
+
+    def publish_batch_and_confirm(self, messages, **kwargs):
+        if self.other is not None:
+            self.other, other = None, self.other
+            other()
+        return super().publish_batch_and_confirm(messages, **kwargs)
+
+
+def test_two_relays_never_publish_more_of_a_capped_queue_than_its_cap(make_job):
+    """max_running=5, 12 runs due, no worker: relay B steps while relay A's 5 claimed rows
+    are being published; B counts them, publishes none, and the broker holds 5."""
+    from jobs.models import QueueControl
+
+    purge_queue()
+    QueueControl.objects.create(name="jobs", max_running=5)
+    for _ in range(12):
+        make_job(**_due())
+    scheduler_run_once(now=NOW, config=SchedulerConfig())
+    steps = []
+    publisher = _PublisherRacedBy(lambda: steps.append(_relay_step(NOW).published))
+    try:
+        steps.insert(0, relay_run_once(now=NOW, config=RelayConfig(), publisher=publisher).published)
+        steps.append(_relay_step(NOW).published)  # room is spent: nothing more
+        depth = _queue_depth("jobs")
+    finally:
+        publisher.close()
+        purge_queue()
+    assert (steps, depth) == ([5, 0, 0], 5)
+    assert OutboxMessage.objects.filter(queue="jobs").count() == 12 - 5
