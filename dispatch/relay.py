@@ -207,9 +207,10 @@ def _relay_queue(
     the confirms outside any transaction; then, in a second short transaction, delete those
     still claimed by this step: (published, undeliverable, whether rows waited for an
     owner's limit or the queue's room). A capped or rate-limited queue's room (`controls`)
-    is counted in the claim's transaction, under the queue's room lock. Nothing another relay needs (an owner's advisory lock, a row lock) is
-    held across the broker's round trip; rows whose claim ran out (this relay frozen or
-    dead) are any relay's to publish again, and the worker's claim refuses the duplicate."""
+    is counted in the claim's transaction, under the queue's room lock. Nothing another
+    relay needs (an owner's advisory lock, a row lock, the room lock) is held across the
+    broker's round trip; rows whose claim ran out (this relay frozen or dead) are any
+    relay's to publish again, and the worker's claim refuses the duplicate."""
     claim = uuid.uuid4()
     with transaction.atomic():
         # A capped or rate-limited queue's room, under its lock until this claim commits.

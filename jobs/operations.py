@@ -27,6 +27,7 @@ from .notify import CHANNEL_OUTBOX, notify
 from .schedules import ScheduleError
 from .selectors import job_list, run_list
 from .services import job_cancel, job_pause, job_resume, run_cancel_request, run_replay_request
+from .transitions import runs_lock_to_cancel
 
 DONE = "done"
 log = logging.getLogger("jobs.operations")
@@ -124,6 +125,11 @@ def operations_run_batch(*, now: dt.datetime, batch_size: int) -> int:
             if not items:
                 _finish_if_empty(operation, now=now)
                 continue
+            if operation.action == "runs.cancel":
+                # What the cancels change, locked first in the order a packed success
+                # takes it (attempts, then runs, each in id order): one by one, in the
+                # items' order, a batch and a pack of the same runs deadlocked.
+                runs_lock_to_cancel(run_ids=[item.target for item in items])
             outcomes: Counter[str] = Counter()
             for item in items:
                 item.outcome = _act(operation.action, item.target, operation.owner, now)

@@ -547,7 +547,8 @@ def test_two_relays_never_publish_more_of_a_capped_queue_than_its_cap(make_job):
     steps = []
     publisher = _PublisherRacedBy(lambda: steps.append(_relay_step(NOW).published))
     try:
-        steps.insert(0, relay_run_once(now=NOW, config=RelayConfig(), publisher=publisher).published)
+        first = relay_run_once(now=NOW, config=RelayConfig(), publisher=publisher)
+        steps.insert(0, first.published)
         steps.append(_relay_step(NOW).published)  # room is spent: nothing more
         depth = _queue_depth("jobs")
     finally:
