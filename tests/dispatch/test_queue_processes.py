@@ -109,6 +109,12 @@ def _pause_drains(stack, *, in_broker: int, due_later: int, report_figure) -> No
     waited = sorted(Attempt.objects.filter(run__in=every).values_list(
         "run__scheduled_for", "started_at"))  # fmt: skip
     correlation = _rank_correlation([due for due, _ in waited], [at for _, at in waited])
+    lateness = sorted((at - due).total_seconds() for due, at in Attempt.objects.filter(
+        run__in=others).values_list("run__scheduled_for", "started_at"))  # fmt: skip
+    report_figure(
+        f"pause: the other queue's {len(lateness)} runs meanwhile started late by at most "
+        f"{lateness[-1]:.2f} s (median {lateness[len(lateness) // 2]:.2f} s, workers starting)"
+    )
     report_figure(
         f"pause: {in_broker} runs in the broker and {due_later} due while paused held "
         f"{(held_at - acknowledged).total_seconds():.1f} s with 0 attempts; resume drained "
