@@ -6,8 +6,10 @@ transaction, so a pause waits for the claims in flight and every claim after it 
 a run of a paused queue, or of one at its cap, is handed back (jobs.queues.run_hand_back).
 
 At a relay step: a paused queue (its lanes too) is passed over; a capped queue publishes
-no more than its cap leaves (runs running, or published and not yet claimed); a
-rate-limited one at most two bursts in the broker.
+no more than its cap leaves (runs running, or published and not yet claimed, another
+relay's claimed rows included); a rate-limited one at most two bursts in the broker. The
+room is counted under the queue's room lock in the claim's transaction: relays claiming
+the same queue at once take turns, and the second counts what the first claimed.
 A rate is kept at the claim: each start takes a token from the bucket in the queue's row,
 in the claim's transaction; a worker without a token waits until one is due (the bucket
 says when) and tries again, so starts never pass the rate plus one burst, across every
@@ -28,6 +30,7 @@ from jobs.lanes import LANES
 from jobs.queues import run_hand_back
 from storage.queues import (
     QueueHold,
+    queue_room_lock_counts,
     queue_running_count,
     queue_token_take,
     queues_held,
@@ -79,21 +82,30 @@ class QueueRoom:
     def __init__(self) -> None:
         self.held: dict[str, QueueHold] = queues_held()
 
+    def paused(self, name: str) -> bool:
+        """Whether the Celery queue `name`'s queue is paused (nothing of it is published)."""
+        hold = self.held.get(queue_of_lane(name))
+        return hold is not None and hold.paused
+
     def room(self, name: str) -> float:
         """How many of the Celery queue `name`'s rows may be published this step, before
-        its rate (the tokens are taken separately): 0 when its queue is paused."""
+        its rate (the tokens are taken separately): 0 when its queue is paused. For a capped
+        or rate-limited queue, in the caller's transaction (the relay's claim): the queue's
+        room lock is taken and held until it ends, so that two relays never both fill the
+        same room, and the runs another relay is publishing count as published."""
         hold = self.held.get(queue_of_lane(name))
         if hold is None:
             return math.inf
         if hold.paused:
             return 0
+        if hold.max_running is None and hold.burst is None:
+            return math.inf
+        running, published = queue_room_lock_counts(queue=hold.name)
         room = math.inf
         if hold.max_running is not None:
-            active = queue_running_count(queue=hold.name, in_broker=True)
-            room = max(0, hold.max_running - active)
+            room = max(0, hold.max_running - running - published)
         if hold.burst is not None:
             # A rate is kept at the claim (its token); the broker holds at most two bursts
             # of the queue meanwhile, so a resume or a new rate finds little to hand back.
-            published = queue_running_count(queue=hold.name, running=False, in_broker=True)
             room = min(room, max(0, math.ceil(2 * hold.burst) - published))
         return room

@@ -140,22 +140,20 @@ def relay_run_once(
     batch_full = False
     controls = QueueRoom()
     for queue in outbox_pending_queues(limit=MAX_QUEUES):
-        room = controls.room(queue)
-        if room > 0:
-            room = min(room, _room(queue, config=config, publisher=publisher))
+        room = 0 if controls.paused(queue) else _room(queue, config=config, publisher=publisher)
         if room <= 0:
             held_back += 1
             continue
         limit = min(room, config.batch_size)
-        sent, refused, owners_held = _relay_queue(
+        sent, refused, held = _relay_queue(
             queue, limit=limit, now=now, published_at=published_at, config=config,
-            publisher=publisher, turns=turns,
+            publisher=publisher, turns=turns, controls=controls,
         )  # fmt: skip
         published += sent
         undeliverable += refused
         if sent >= limit:
             batch_full |= limit == config.batch_size
-        held_back += owners_held or (sent >= limit and limit < config.batch_size)
+        held_back += held or (sent >= limit and limit < config.batch_size)
     return RelayResult(
         published=published,
         batch_full=batch_full,
@@ -201,17 +199,25 @@ def _relay_queue(
     config: RelayConfig,
     publisher: ConfirmingPublisher,
     turns: OwnerTurns,
+    controls: QueueRoom,
 ) -> tuple[int, int, bool]:
     """Claim up to `limit` of the queue's pending rows, shared among their owners in turn
     (each owner's by priority, then oldest first; an owner at its limit passed over), in a
     short transaction that stamps them with this step's claim; publish them and wait for
     the confirms outside any transaction; then, in a second short transaction, delete those
-    still claimed by this step: (published, undeliverable, whether an owner's rows waited
-    for its limit). Nothing another relay needs (an owner's advisory lock, a row lock) is
-    held across the broker's round trip; rows whose claim ran out (this relay frozen or
-    dead) are any relay's to publish again, and the worker's claim refuses the duplicate."""
+    still claimed by this step: (published, undeliverable, whether rows waited for an
+    owner's limit or the queue's room). A capped or rate-limited queue's room (`controls`)
+    is counted in the claim's transaction, under the queue's room lock. Nothing another
+    relay needs (an owner's advisory lock, a row lock, the room lock) is held across the
+    broker's round trip; rows whose claim ran out (this relay frozen or dead) are any
+    relay's to publish again, and the worker's claim refuses the duplicate."""
     claim = uuid.uuid4()
     with transaction.atomic():
+        # A capped or rate-limited queue's room, under its lock until this claim commits.
+        room = controls.room(queue)
+        if room <= 0:
+            return 0, 0, True
+        capped, limit = room < limit, min(room, limit)
         found = turns.owners(queue)
         allowed, limited = allowances(found, default_limit=config.owner_max_active_runs)
         owners = list(found)
@@ -222,6 +228,7 @@ def _relay_queue(
     owners_held = any(
         allowed[owner] is not None and claimed[owner] >= allowed[owner] for owner in owners
     )
+    owners_held |= capped and len(messages) >= limit
     if not messages:
         return 0, 0, owners_held
     ids = [message.id for message in messages]

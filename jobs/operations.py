@@ -27,6 +27,7 @@ from .notify import CHANNEL_OUTBOX, notify
 from .schedules import ScheduleError
 from .selectors import job_list, run_list
 from .services import job_cancel, job_pause, job_resume, run_cancel_request, run_replay_request
+from .transitions import runs_lock_to_cancel
 
 DONE = "done"
 log = logging.getLogger("jobs.operations")
@@ -85,11 +86,20 @@ def operation_create(
     return operation
 
 
-def _act(action: str, target, owner: AbstractBaseUser, now: dt.datetime) -> str:
-    """Do the action on one target: DONE, or the reason it was refused."""
+def _targets(action: str, targets: list) -> dict:
+    """The batch's targets that still exist, by id, in one query (a run with its version,
+    which queueing it again reads)."""
+    model = ACTIONS[action][0]
+    rows = model.objects.filter(id__in=targets)
+    if model is Run:
+        rows = rows.select_related("job_version")
+    return {obj.id: obj for obj in rows}
+
+
+def _act(action: str, obj, owner: AbstractBaseUser, now: dt.datetime) -> str:
+    """Do the action on one target (None: it is gone): DONE, or the reason it was refused."""
     model, service = ACTIONS[action]
     keyword = "run" if model is Run else "job"
-    obj = model.objects.filter(id=target).first()
     if obj is None:
         return "gone"
     try:
@@ -101,7 +111,7 @@ def _act(action: str, target, owner: AbstractBaseUser, now: dt.datetime) -> str:
     except DatabaseError:
         raise  # an outage: the batch is done again
     except Exception:  # noqa: BLE001 - one item's bug must not wedge the operation
-        log.exception("bulk %s of %s failed", action, target)
+        log.exception("bulk %s of %s failed", action, obj.pk)
         return "error"
     obj.refresh_from_db(fields=["state"])
     return f"state_{obj.state}"
@@ -124,9 +134,16 @@ def operations_run_batch(*, now: dt.datetime, batch_size: int) -> int:
             if not items:
                 _finish_if_empty(operation, now=now)
                 continue
+            if operation.action == "runs.cancel":
+                # What the cancels change, locked first in the order a packed success
+                # takes it (attempts, then runs, each in id order): one by one, in the
+                # items' order, a batch and a pack of the same runs deadlocked.
+                runs_lock_to_cancel(run_ids=[item.target for item in items])
+            targets = _targets(operation.action, [item.target for item in items])
             outcomes: Counter[str] = Counter()
             for item in items:
-                item.outcome = _act(operation.action, item.target, operation.owner, now)
+                item.outcome = _act(operation.action, targets.get(item.target),
+                                    operation.owner, now)  # fmt: skip
                 outcomes[item.outcome] += 1
             BulkOperationItem.objects.bulk_update(items, ["outcome"])
             refused_now = {reason: n for reason, n in outcomes.items() if reason != DONE}

@@ -24,6 +24,7 @@ from django.conf import settings
 from django.contrib.auth.models import AbstractBaseUser
 from django.db import transaction
 
+from storage.outbox import outbox_renumber_in_due_order
 from storage.queues import queues_figures, run_has_pending_message
 
 from .audit import audit_record
@@ -87,13 +88,16 @@ def queue_pause(
 
 
 def queue_resume(*, name: str, actor: AbstractBaseUser) -> QueueControl:
-    """Resume the queue: the relays publish its waiting runs (in due order) at once."""
+    """Resume the queue: the relays publish its waiting runs (in due order) at once. The
+    rows of runs handed back from the broker were written after the rows already waiting:
+    the queue's waiting rows (its lanes' too) are renumbered in due order first."""
     with transaction.atomic():
         control = _control(name)
         was = control.paused
         control.paused, control.paused_until = False, None
         control.save()
         if was:
+            outbox_renumber_in_due_order(queues=[name, *lanes_of(name)])
             audit_record(action="queue.resumed", actor=actor, data={"queue": name})
         notify(CHANNEL_OUTBOX)
     return control

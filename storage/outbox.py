@@ -20,6 +20,7 @@ from .sql import execute, fetch_all
 
 OUTBOX_TABLE = "dispatch_outboxmessage"
 ACTIVE_RUN_TABLE = "jobs_activerun"
+RUN_TABLE = "jobs_run"
 JOB_TABLE = "jobs_job"
 # jobs.models.OutboxState.PENDING, the only state a row has (the partial indexes name it).
 PENDING = "pending"
@@ -247,3 +248,32 @@ def outbox_claim_pending(
          "lease": lease_seconds},
     )  # fmt: skip
     return [PendingMessage(*row) for row in rows]
+
+
+def outbox_renumber_in_due_order(*, queues: list[str]) -> int:
+    """Give these queues' pending rows that no relay's live claim holds new ids in the
+    order of their runs' due instants (`scheduled_for`, then the old id), so that the
+    relays' claims, oldest id first within a priority, publish them in due order: a row
+    written when its run was handed back (after the rows already waiting) goes back to its
+    run's place. Each row is moved whole (same message id, tries, errors) in one statement,
+    in the caller's transaction (a queue's resume); locks the rows it moves, passing over
+    those a relay is claiming this instant (SKIP LOCKED). Returns the rows moved."""
+    return execute(
+        f"""
+        WITH moved AS (
+            DELETE FROM {OUTBOX_TABLE} WHERE id IN (
+                SELECT id FROM {OUTBOX_TABLE}
+                 WHERE state = %(pending)s AND queue = ANY(%(queues)s)
+                   AND (claimed_until IS NULL OR claimed_until < now())
+                   FOR UPDATE SKIP LOCKED)
+            RETURNING *
+        )
+        INSERT INTO {OUTBOX_TABLE} ({OUTBOX_COLUMNS})
+        SELECT moved.run_id, moved.owner_id, moved.message_id, moved.task_name, moved.queue,
+               moved.priority, moved.timeout_seconds, moved.state, moved.created_at,
+               moved.publish_tries, moved.last_error, moved.refused_since, NULL, NULL
+          FROM moved JOIN {RUN_TABLE} AS run ON run.id = moved.run_id
+         ORDER BY run.scheduled_for, moved.id
+        """,
+        {"pending": PENDING, "queues": queues},
+    )

@@ -13,7 +13,7 @@ import uuid
 from typing import NamedTuple
 
 from .outbox import OUTBOX_TABLE, PENDING
-from .sql import fetch_all, fetch_one, fetch_value
+from .sql import execute, fetch_all, fetch_one, fetch_value
 
 QUEUE_TABLE = "jobs_queuecontrol"
 RUN_TABLE = "jobs_run"
@@ -60,6 +60,35 @@ def queue_running_count(*, queue: str, running: bool = True, in_broker: bool = F
         """,
         {"states": states, "queue": queue, "pending": PENDING},
     )
+
+
+# The advisory lock space of the relays' room in a capped or rate-limited queue
+# (pg_advisory_xact_lock(space, hashtext(queue))).
+ROOM_LOCK_SPACE = 0x0C4B
+
+
+def queue_room_lock_counts(*, queue: str) -> tuple[int, int]:
+    """For a relay about to claim rows of a capped or rate-limited queue: take the queue's
+    room lock (an advisory lock, held until the caller's transaction ends: the relays'
+    claims of the queue go one at a time), then count, in a statement of its own (a snapshot
+    taken after the lock, which sees every claim committed before), the queue's runs (its
+    lanes' too) `running`, and those `queued` and published: in the broker, in a worker's
+    prefetch, or being published (their pending row under a relay's live claim). A queued
+    run with a pending row no live claim holds waits in PostgreSQL. (running, published)."""
+    execute("SELECT pg_advisory_xact_lock(%s, hashtext(%s))", [ROOM_LOCK_SPACE, queue])
+    row = fetch_one(
+        f"""
+        SELECT count(*) FILTER (WHERE r.state = 'running'),
+               count(*) FILTER (WHERE r.state = 'queued')
+          FROM {RUN_TABLE} AS r JOIN {VERSION_TABLE} AS v ON v.id = r.job_version_id
+         WHERE r.state IN ('running', 'queued') AND v.spec->>'queue' = %(queue)s
+           AND (r.state = 'running' OR NOT EXISTS (
+                SELECT 1 FROM {OUTBOX_TABLE} AS o WHERE o.run_id = r.id AND o.state = %(pending)s
+                   AND (o.claimed_until IS NULL OR o.claimed_until < now())))
+        """,
+        {"queue": queue, "pending": PENDING},
+    )
+    return int(row[0]), int(row[1])
 
 
 class RunGate(NamedTuple):

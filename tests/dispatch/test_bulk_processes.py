@@ -19,6 +19,7 @@ from tests.jobs.test_throttling import free_port, web_up
 from tests.processes import wait_for
 
 pytestmark = pytest.mark.slow
+NEAR_TERM = 40  # one-time runs due every half second while the operation is under way
 
 
 def _failed_runs(user, count: int) -> list:
@@ -66,6 +67,13 @@ def _bulk_replay_survives_kills(stack, *, count: int, batch: int, report_figure)
     wait_for(lambda: web_up(port), timeout=60, message="the web process again")
     again = requests.post(url, json=body, headers=headers, timeout=60)
     assert again.json()["id"] == str(operation.id)  # the same key: the same operation
+    # Near-term runs of the same queue meanwhile: their lateness (start - due).
+    stack.scheduler("scheduler")
+    soon = dt.datetime.now(dt.UTC) + dt.timedelta(seconds=3)
+    near = job_create_bulk(owner=user, specs=[
+        job_spec(task="tests.record", schedule={"kind": "once", "run_at": (
+            soon + dt.timedelta(seconds=i / 2)).isoformat()}) for i in range(NEAR_TERM)
+    ], now=dt.datetime.now(dt.UTC))  # fmt: skip
     wait_for(lambda: progress.values_list("state", flat=True)[0] == "done",
              timeout=120 + count / 20, message="the operation to end")  # fmt: skip
     operation.refresh_from_db()
@@ -83,6 +91,15 @@ def _bulk_replay_survives_kills(stack, *, count: int, batch: int, report_figure)
     assert {str(run_id) for run_id in run_ids} <= set(executed)
     assert max(executed[str(run_id)] for run_id in run_ids) == 1
     took = (operation.finished_at - operation.created_at).total_seconds()
+    near_runs = Run.objects.filter(job__in=near)
+    wait_for(lambda: near_runs.filter(state=RunState.SUCCEEDED).count() == NEAR_TERM,
+             timeout=120, message="the near-term runs to succeed")  # fmt: skip
+    late = sorted((at - due).total_seconds() for due, at in near_runs.values_list(
+        "scheduled_for", "started_at"))  # fmt: skip
+    report_figure(
+        f"bulk replay of {count}: {NEAR_TERM} near-term runs of the same queue, due meanwhile, "
+        f"started late by p50 {late[NEAR_TERM // 2]:.2f} s, p99 {late[-1]:.2f} s"
+    )
     report_figure(
         f"bulk replay of {count} failed runs, relay and web SIGKILLed at {done_at_kill} done: "
         f"all replayed once, operation done in {took:.1f} s "

@@ -517,3 +517,69 @@ def test_a_transport_that_cannot_count_a_queue_has_no_backpressure(tmp_path):
         assert publisher.queue_depth("jobs") is None
     finally:
         publisher.close()
+
+
+class _PublisherRacedBy(ConfirmingPublisher):
+    """A relay's publisher that lets `other` (a step of another relay) run after this
+    relay's claim committed and before its messages go: the instant two relays overlap."""
+
+    def __init__(self, other) -> None:
+        super().__init__(settings.CELERY_BROKER_URL, settings.CELERY_BROKER_TRANSPORT_OPTIONS)
+        self.other = other
+
+    def publish_batch_and_confirm(self, messages, **kwargs):
+        if self.other is not None:
+            self.other, other = None, self.other
+            other()
+        return super().publish_batch_and_confirm(messages, **kwargs)
+
+
+def test_two_relays_never_publish_more_of_a_capped_queue_than_its_cap(make_job):
+    """max_running=5, 12 runs due, no worker: relay B steps while relay A's 5 claimed rows
+    are being published; B counts them, publishes none, and the broker holds 5."""
+    from jobs.models import QueueControl
+
+    purge_queue()
+    QueueControl.objects.create(name="jobs", max_running=5)
+    for _ in range(12):
+        make_job(**_due())
+    scheduler_run_once(now=NOW, config=SchedulerConfig())
+    steps = []
+    publisher = _PublisherRacedBy(lambda: steps.append(_relay_step(NOW).published))
+    try:
+        first = relay_run_once(now=NOW, config=RelayConfig(), publisher=publisher)
+        steps.insert(0, first.published)
+        steps.append(_relay_step(NOW).published)  # room is spent: nothing more
+        depth = _queue_depth("jobs")
+    finally:
+        publisher.close()
+        purge_queue()
+    assert (steps, depth) == ([5, 0, 0], 5)
+    assert OutboxMessage.objects.filter(queue="jobs").count() == 12 - 5
+
+
+def test_resume_publishes_runs_handed_back_and_runs_waiting_in_due_order(queued_run, operator):
+    """Five runs due a second apart; the 1st, 3rd and 5th were published and are handed
+    back by a paused queue (new rows, after those of the 2nd and 4th waiting): after the
+    resume the broker holds all five in due order."""
+    from django.db import transaction
+
+    from dispatch.queues import queue_holds_run
+    from jobs.queues import queue_pause, queue_resume
+
+    purge_queue()
+    runs = [queued_run(run_at=NOW + dt.timedelta(seconds=n)) for n in range(5)]
+    queue_pause(name="jobs", actor=operator, reason="test", until=None, now=NOW)
+    for run in runs[::2]:
+        OutboxMessage.objects.filter(run=run).delete()  # published: in the broker
+        with transaction.atomic():
+            assert queue_holds_run(run_id=str(run.id))  # delivered, handed back
+    by_id = list(OutboxMessage.objects.order_by("id").values_list("run_id", flat=True))
+    assert by_id == [run.id for run in (*runs[1::2], *runs[::2])]
+    queue_resume(name="jobs", actor=operator)
+    try:
+        assert _relay_step(NOW + dt.timedelta(seconds=10)).published == 5
+        published = [message["body"][1]["run_id"] for message in _drain_queue()]
+    finally:
+        purge_queue()
+    assert published == [str(run.id) for run in runs]

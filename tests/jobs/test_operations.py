@@ -4,6 +4,7 @@ actions (the actor on each audit event), counts refusals by reason, and only eve
 touches the caller's own runs."""
 
 import pytest
+from django.db import transaction
 
 from dispatch.operations import OperationsConfig, operations_run_once
 from jobs.clock import db_now
@@ -100,3 +101,48 @@ def test_the_admin_offers_all_n_matching_with_the_count_first(client, queued_run
     assert (operation.action, operation.matched) == ("runs.replay", 2)
     _drain()
     assert Run.objects.filter(state=RunState.QUEUED).count() == 3
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_bulk_cancel_batch_and_a_packed_success_never_deadlock(queued_run, user, monkeypatch):
+    """Two running runs of one pack, the batch's items in the opposite order of their
+    attempts' ids. Session A (the batch) cancels the first item, then waits until session
+    B (the pack's success: its attempts locked in id order) is blocked, then goes on:
+    cancelled one by one, A held the higher attempt and wanted the lower one B holds."""
+    import threading
+
+    from jobs import operations
+    from jobs.models import BulkOperationItem
+    from jobs.transitions import attempts_succeed
+    from tests.threads import in_thread, wait_for_lock_waiters
+
+    runs = [queued_run(args=[n]) for n in range(2)]
+    attempts = sorted((claim(run) for run in runs), key=lambda attempt: attempt.id)
+    operation = BulkOperation.objects.create(owner=user, action="runs.cancel", matched=2)
+    for attempt in reversed(attempts):  # the higher attempt's run first
+        BulkOperationItem.objects.create(operation=operation, target=attempt.run_id)
+    first_done = threading.Event()
+    act = operations._act
+
+    def act_then_wait(*args):
+        outcome = act(*args)
+        if not first_done.is_set():
+            first_done.set()
+            wait_for_lock_waiters(1)
+        return outcome
+
+    monkeypatch.setattr(operations, "_act", act_then_wait)
+
+    def session_b() -> None:
+        assert first_done.wait(20)
+        with transaction.atomic():
+            attempts_succeed(outcomes=[(attempt, None) for attempt in attempts])
+
+    errors: list = []
+    threads = [in_thread(lambda: operations.operations_run_batch(now=db_now(), batch_size=10),
+                         errors), in_thread(session_b, errors)]  # fmt: skip
+    for thread in threads:
+        thread.join(40)
+    assert errors == []
+    operation.refresh_from_db()
+    assert operation.state == BulkOperation.State.DONE and operation.done == 2
