@@ -319,6 +319,7 @@ def run_claim(
     claim_id: uuid.UUID | None = None,
     published_at: dt.datetime | None = None,
     task_id: str = "",
+    gated: bool = False,
 ) -> Attempt | None:
     """queued -> running, with a new attempt holding the next fencing token and a lease.
 
@@ -332,6 +333,8 @@ def run_claim(
     them, so a worker needs nothing more before it runs the handler. The whole claim is one
     statement (`storage.runs.run_claim`): the compare-and-set that issues the token, the
     read of the spec and the attempt's insert, atomic without a transaction block of its own.
+    `gated`: only when the run's queue has no control in force (None otherwise too: the
+    caller then goes through dispatch.queues), its control row share-locked by the claim.
     """
     claimed = storage.runs.run_claim(
         run_id=run_id,
@@ -342,6 +345,7 @@ def run_claim(
         timeout_seconds=timeout_seconds,
         published_at=published_at,
         task_id=task_id[:64],
+        gated=gated,
     )
     if claimed is None:
         return None

@@ -14,6 +14,8 @@ from typing import Any, NamedTuple
 
 from django.db import connection
 
+from .queues import PAUSED_IN_FORCE, QUEUE_TABLE
+
 
 class ClaimedRun(NamedTuple):
     """A run a claim (or a reservation) moved to `running`, as its statement returned it,
@@ -46,8 +48,26 @@ _ATTEMPT_INSERT_COLUMNS = (
     " heartbeat_at, started_at, error, task_id"
 )
 
-_CLAIM = f"""
+# The gate a claim passes when `gated`: the control row of the run's queue, if it has one,
+# share-locked until the claim's transaction ends (a pause, which updates it, waits for
+# the claim), and `held` when it is paused now, capped or rate-limited (those go through
+# dispatch.queues instead). An uncorrelated subquery: evaluated once, before the run's
+# row is locked, the order dispatch.queues takes the two locks in.
+_GATE = f"""
+    gate AS (
+        SELECT {PAUSED_IN_FORCE} OR q.max_running IS NOT NULL
+               OR q.rate_per_second IS NOT NULL AS held
+          FROM jobs_run AS r0 JOIN jobs_jobversion AS v0 ON v0.id = r0.job_version_id
+          JOIN {QUEUE_TABLE} AS q ON q.name = v0.spec->>'queue'
+         WHERE r0.id = %(run_id)s
+           FOR SHARE OF q
+    ),"""
+
+
+def _claim_statement(*, gated: bool) -> str:
+    return f"""
     WITH clock AS (SELECT COALESCE(%(now)s::timestamptz, clock_timestamp()) AS now),
+    {_GATE if gated else ""}
     claimed AS (
         UPDATE jobs_run AS r
            SET state = 'running', fencing_token = r.fencing_token + 1,
@@ -56,6 +76,7 @@ _CLAIM = f"""
                published_at = COALESCE(r.published_at, %(published_at)s::timestamptz)
           FROM clock
          WHERE r.id = %(run_id)s AND r.state = ANY(%(from_states)s)
+           {"AND NOT EXISTS (SELECT 1 FROM gate WHERE gate.held)" if gated else ""}
      RETURNING {_CLAIMED_RETURNING}, clock.now
     ),
     timed AS (
@@ -79,6 +100,10 @@ _CLAIM = f"""
 """
 
 
+_CLAIM = _claim_statement(gated=False)
+_CLAIM_GATED = _claim_statement(gated=True)
+
+
 def run_claim(
     *,
     run_id: uuid.UUID | str,
@@ -89,6 +114,7 @@ def run_claim(
     timeout_seconds: float | None = None,
     published_at: dt.datetime | None = None,
     task_id: str = "",
+    gated: bool = False,
 ) -> ClaimedRun | None:
     """queued -> running for one run, with a new attempt holding the next fencing token, a
     lease and a deadline, started now; None when the run is not queued (a duplicate
@@ -98,7 +124,12 @@ def run_claim(
 
     One statement, in its own implicit transaction or the caller's; takes the run's row
     lock (the conditional UPDATE: a concurrent claim waits, then finds it `running` and
-    changes nothing)."""
+    changes nothing).
+
+    `gated`: only when the run's queue has no control in force (no control row, or one
+    neither paused now nor capped nor rate-limited), whose row the statement share-locks
+    (_GATE); None otherwise too, and the caller goes through the queue's gate
+    (dispatch.queues), which this one statement saves the uncontrolled queues."""
     params = {
         "run_id": _uuid(run_id),
         "worker": worker,
@@ -110,7 +141,7 @@ def run_claim(
         "task_id": task_id,
         "from_states": ["queued"],
     }
-    rows = _claimed(_CLAIM, params)
+    rows = _claimed(_CLAIM_GATED if gated else _CLAIM, params)
     return rows[0] if rows else None
 
 
