@@ -12,9 +12,8 @@ import json
 import uuid
 from typing import Any, NamedTuple
 
-from django.db import connection
-
 from .queues import PAUSED_IN_FORCE, QUEUE_TABLE
+from .sql import prepared_cursor
 
 
 class ClaimedRun(NamedTuple):
@@ -59,7 +58,7 @@ _GATE = f"""
                OR q.rate_per_second IS NOT NULL AS held
           FROM jobs_run AS r0 JOIN jobs_jobversion AS v0 ON v0.id = r0.job_version_id
           JOIN {QUEUE_TABLE} AS q ON q.name = v0.spec->>'queue'
-         WHERE r0.id = %(run_id)s
+         WHERE r0.id = %(run_id)s::uuid
            FOR SHARE OF q
     ),"""
 
@@ -75,7 +74,7 @@ def _claim_statement(*, gated: bool) -> str:
                started_at = COALESCE(r.started_at, clock.now), next_attempt_at = NULL,
                published_at = COALESCE(r.published_at, %(published_at)s::timestamptz)
           FROM clock
-         WHERE r.id = %(run_id)s AND r.state = ANY(%(from_states)s)
+         WHERE r.id = %(run_id)s::uuid AND r.state = ANY(%(from_states)s::text[])
            {"AND NOT EXISTS (SELECT 1 FROM gate WHERE gate.held)" if gated else ""}
      RETURNING {_CLAIMED_RETURNING}, clock.now
     ),
@@ -91,8 +90,8 @@ def _claim_statement(*, gated: bool) -> str:
     ),
     attempt AS (
         INSERT INTO jobs_attempt ({_ATTEMPT_INSERT_COLUMNS})
-        SELECT id, attempt_count, fencing_token, 'running', %(worker)s,
-               %(claim_id)s, lease_expires_at, deadline_at, now, now, '', %(task_id)s
+        SELECT id, attempt_count, fencing_token, 'running', %(worker)s::text,
+               %(claim_id)s::uuid, lease_expires_at, deadline_at, now, now, '', %(task_id)s::text
           FROM timed
      RETURNING id
     )
@@ -152,7 +151,7 @@ _RESERVE = f"""
     ),
     locked AS (  -- in the order of their ids, as every multi-run update locks them
         SELECT r.id FROM jobs_run AS r JOIN pack ON r.id = pack.run_id
-         WHERE r.state = ANY(%(from_states)s) AND r.attempt_count = 0
+         WHERE r.state = ANY(%(from_states)s::text[]) AND r.attempt_count = 0
          ORDER BY r.id FOR UPDATE OF r
     ),
     claimed AS (
@@ -163,7 +162,7 @@ _RESERVE = f"""
                published_at = COALESCE(r.published_at, %(published_at)s::timestamptz)
           FROM clock, pack, jobs_jobversion AS v
          WHERE r.id = pack.run_id AND r.id IN (SELECT id FROM locked)
-           AND r.state = ANY(%(from_states)s) AND r.attempt_count = 0
+           AND r.state = ANY(%(from_states)s::text[]) AND r.attempt_count = 0
            AND v.id = r.job_version_id
            AND COALESCE(v.spec->>'delivery', '') <> 'at_most_once'
      RETURNING {_CLAIMED_RETURNING},
@@ -179,15 +178,15 @@ _RESERVE = f"""
         -- them has no limit.
         SELECT claimed.*, CASE WHEN bool_and(timeout IS NOT NULL) OVER upto
                THEN now + make_interval(
-                   secs => sum(timeout + %(grace)s) OVER upto - %(grace)s
+                   secs => sum(timeout + %(grace)s::float8) OVER upto - %(grace)s::float8
                ) END AS deadline_at
           FROM claimed
         WINDOW upto AS (ORDER BY position ROWS UNBOUNDED PRECEDING)
     ),
     attempt AS (
         INSERT INTO jobs_attempt ({_ATTEMPT_INSERT_COLUMNS})
-        SELECT id, attempt_count, fencing_token, 'running', %(worker)s,
-               %(claim_id)s, lease_expires_at, deadline_at, now, NULL, '', %(task_id)s
+        SELECT id, attempt_count, fencing_token, 'running', %(worker)s::text,
+               %(claim_id)s::uuid, lease_expires_at, deadline_at, now, NULL, '', %(task_id)s::text
           FROM bounded ORDER BY position
      RETURNING id, run_id
     )
@@ -230,7 +229,7 @@ def runs_reserve(
 
 
 def _claimed(statement: str, params: dict[str, Any]) -> list[ClaimedRun]:
-    with connection.cursor() as cursor:
+    with prepared_cursor() as cursor:
         cursor.execute(statement, params)
         names = [column.name for column in cursor.description]
         rows = [dict(zip(names, values, strict=True)) for values in cursor.fetchall()]
