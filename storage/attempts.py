@@ -10,7 +10,7 @@ from typing import NamedTuple
 
 from django.db import connection
 
-from .sql import execute, fetch_all, fetch_one
+from .sql import execute, fetch_all, fetch_one, prepared_cursor
 
 
 class LeaseRenewal(NamedTuple):
@@ -146,9 +146,8 @@ def attempts_succeed(*, successes: list[Success]) -> Succeeded:
             "SELECT id FROM jobs_attempt WHERE id = ANY(%s) ORDER BY id FOR UPDATE",
             [[success.attempt_id for success in successes]],
         )
-    moved, won = fetch_one(
-        _SUCCEED,
-        {
+    with prepared_cursor() as cursor:  # the worker's hot statement: planned once
+        cursor.execute(_SUCCEED, {
             "ids": [success.attempt_id for success in successes],
             "runs": [success.run_id for success in successes],
             "tokens": [success.token for success in successes],
@@ -158,8 +157,8 @@ def attempts_succeed(*, successes: list[Success]) -> Succeeded:
                 for success in successes
             ],
             "started": [success.started_at for success in successes],
-        },
-    )
+        })  # fmt: skip
+        moved, won = cursor.fetchone()
     return Succeeded(won=set(won or ()), runs_moved=moved)
 
 
