@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import datetime as dt
 import uuid
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from django.db import transaction
 from django.db.models import DateTimeField, Exists, F, Q, Value
@@ -548,12 +548,17 @@ def attempt_succeed(*, attempt: Attempt, now: dt.datetime | None = None, result=
     )
 
 
-def attempts_succeed(*, outcomes: list[tuple[Attempt, object]]) -> set[int]:
+def attempts_succeed(
+    *, outcomes: list[tuple[Attempt, object]], manifests: Sequence = ()
+) -> set[int]:
     """`attempt_succeed` for many attempts at once, each with its result: one statement
     (`storage.attempts.attempts_succeed`, after one that locks a pack's attempts in id
     order) updates the attempts and their runs together, each only while it holds its
-    run's current token. The ids of the attempts that won; call inside a transaction."""
+    run's current token. The ids of the attempts that won; call inside a transaction.
+    `manifests` (storage.logs.LogManifestRow): their log manifests, inserted by the same
+    statement for the attempts that won."""
     succeeded = storage.attempts.attempts_succeed(
+        manifests=manifests,
         successes=[
             storage.attempts.Success(
                 attempt_id=attempt.id,
@@ -564,7 +569,7 @@ def attempts_succeed(*, outcomes: list[tuple[Attempt, object]]) -> set[int]:
                 started_at=_reserved_start(attempt),
             )
             for attempt, result in outcomes
-        ]
+        ],
     )
     if succeeded.runs_moved != len(succeeded.won):
         # Only a hand edit of a run between the two updates gets here: undo them all.
