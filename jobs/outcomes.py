@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
+from collections.abc import Sequence
 
 from django.db import transaction
 from django.db.models import Q
@@ -33,12 +34,15 @@ class Success:
     result: object
 
 
-def attempts_record_success(*, successes: list[Success]) -> set[int]:
+def attempts_record_success(*, successes: list[Success], manifests: Sequence = ()) -> set[int]:
     """Attempts and their runs succeeded, with their results, in one statement
     (`jobs.transitions.attempts_succeed`); each only while it holds its run's current token.
     The ids of the attempts that won; the others were stale and changed nothing. Runs in the
-    caller's transaction, which the worker also seals the runs' logs in."""
-    return attempts_succeed(outcomes=[(success.attempt, success.result) for success in successes])
+    caller's transaction, which the worker also seals the runs' logs in (`manifests`: in
+    the same statement, when they are all there is to write: logs_app.store)."""
+    return attempts_succeed(
+        outcomes=[(success.attempt, success.result) for success in successes], manifests=manifests
+    )
 
 
 @dataclasses.dataclass(frozen=True)

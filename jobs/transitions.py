@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import datetime as dt
 import uuid
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from django.db import transaction
 from django.db.models import DateTimeField, Exists, F, Q, Value
@@ -319,6 +319,7 @@ def run_claim(
     claim_id: uuid.UUID | None = None,
     published_at: dt.datetime | None = None,
     task_id: str = "",
+    gated: bool = False,
 ) -> Attempt | None:
     """queued -> running, with a new attempt holding the next fencing token and a lease.
 
@@ -332,6 +333,8 @@ def run_claim(
     them, so a worker needs nothing more before it runs the handler. The whole claim is one
     statement (`storage.runs.run_claim`): the compare-and-set that issues the token, the
     read of the spec and the attempt's insert, atomic without a transaction block of its own.
+    `gated`: only when the run's queue has no control in force (None otherwise too: the
+    caller then goes through dispatch.queues), its control row share-locked by the claim.
     """
     claimed = storage.runs.run_claim(
         run_id=run_id,
@@ -342,6 +345,7 @@ def run_claim(
         timeout_seconds=timeout_seconds,
         published_at=published_at,
         task_id=task_id[:64],
+        gated=gated,
     )
     if claimed is None:
         return None
@@ -544,12 +548,17 @@ def attempt_succeed(*, attempt: Attempt, now: dt.datetime | None = None, result=
     )
 
 
-def attempts_succeed(*, outcomes: list[tuple[Attempt, object]]) -> set[int]:
+def attempts_succeed(
+    *, outcomes: list[tuple[Attempt, object]], manifests: Sequence = ()
+) -> set[int]:
     """`attempt_succeed` for many attempts at once, each with its result: one statement
     (`storage.attempts.attempts_succeed`, after one that locks a pack's attempts in id
     order) updates the attempts and their runs together, each only while it holds its
-    run's current token. The ids of the attempts that won; call inside a transaction."""
+    run's current token. The ids of the attempts that won; call inside a transaction.
+    `manifests` (storage.logs.LogManifestRow): their log manifests, inserted by the same
+    statement for the attempts that won."""
     succeeded = storage.attempts.attempts_succeed(
+        manifests=manifests,
         successes=[
             storage.attempts.Success(
                 attempt_id=attempt.id,
@@ -560,7 +569,7 @@ def attempts_succeed(*, outcomes: list[tuple[Attempt, object]]) -> set[int]:
                 started_at=_reserved_start(attempt),
             )
             for attempt, result in outcomes
-        ]
+        ],
     )
     if succeeded.runs_moved != len(succeeded.won):
         # Only a hand edit of a run between the two updates gets here: undo them all.

@@ -182,6 +182,21 @@ def logs_seal(
     )
 
 
+def logs_manifests_alone(sealed: list[tuple[Attempt, dict]]) -> list[LogManifestRow] | None:
+    """The manifests of attempts whose logs have no chunk to store or read back (nothing
+    placed, nothing shipped as they ran: a handler that logged nothing), for the success's
+    own statement to insert (created at the transaction's time); None when some attempt
+    has chunks (`logs_seal_many` then)."""
+    if any(logs["placed"] or logs["shipped"] for _, logs in sealed):
+        return None
+    empty = hashlib.sha256(b"").hexdigest()
+    return [
+        LogManifestRow(attempt_id=attempt.id, chunk_count=0, line_count=0, byte_count=0,
+                       sha256=empty, dropped_lines=logs["dropped_lines"], created_at=None)
+        for attempt, logs in sealed
+    ]  # fmt: skip
+
+
 def logs_seal_many(sealed: list[tuple[Attempt, dict]], *, now) -> None:
     """`logs_seal` for several attempts ended in one transaction (the runs of a packed
     message), each with its `placed`, `dropped_lines` and `shipped`: two statements for

@@ -6,11 +6,13 @@ from __future__ import annotations
 import datetime as dt
 import json
 import uuid
+from collections.abc import Sequence
 from typing import NamedTuple
 
 from django.db import connection
 
-from .sql import execute, fetch_all, fetch_one
+from .logs import MANIFEST_FIELDS, LogManifestRow, manifests_document
+from .sql import execute, fetch_all, fetch_one, prepared_cursor
 
 
 class LeaseRenewal(NamedTuple):
@@ -97,6 +99,18 @@ class Succeeded(NamedTuple):
     runs_moved: int  # their runs moved with them (equal to len(won) but for a hand edit)
 
 
+# With `sealed` (storage.logs.manifests_document): the manifests of the attempts that won
+# are inserted by the same statement, so their logs are complete whenever their runs show
+# their success.
+_SEAL = f"""
+    sealed AS (
+        INSERT INTO logs_app_logmanifest ({", ".join(MANIFEST_FIELDS)}, created_at)
+        SELECT {", ".join(f"m.{field}" for field in MANIFEST_FIELDS)},
+               COALESCE(m.created_at, NOW())
+          FROM jsonb_populate_recordset(NULL::logs_app_logmanifest, %(manifests)s::jsonb) AS m
+          JOIN finished AS f ON f.id = m.attempt_id
+    ),"""
+
 _SUCCEED = """
     WITH outcome AS (
         SELECT * FROM unnest(%(ids)s::bigint[], %(runs)s::uuid[], %(tokens)s::bigint[],
@@ -114,7 +128,7 @@ _SUCCEED = """
            AND EXISTS (SELECT 1 FROM jobs_run AS r WHERE r.id = o.run_id
                        AND r.state = 'running' AND r.fencing_token = o.token)
      RETURNING a.id, a.run_id, o.token, o.result, a.started_at
-    ),
+    ),{sealed}
     moved AS (
         UPDATE jobs_run AS r
            SET state = 'succeeded', finished_at = STATEMENT_TIMESTAMP(),
@@ -126,9 +140,13 @@ _SUCCEED = """
     )
     SELECT (SELECT count(*) FROM moved), array_agg(id) FROM finished
 """
+_SUCCEED_SEALED = _SUCCEED.format(sealed=_SEAL)
+_SUCCEED = _SUCCEED.format(sealed="")
 
 
-def attempts_succeed(*, successes: list[Success]) -> Succeeded:
+def attempts_succeed(
+    *, successes: list[Success], manifests: Sequence[LogManifestRow] = ()
+) -> Succeeded:
     """running -> succeeded for attempts and their runs, in one statement: each only while
     its attempt is running with its token and its run is running with the same token (the
     current one). Finished at the statement's time. Run inside the caller's transaction (a
@@ -138,7 +156,9 @@ def attempts_succeed(*, successes: list[Success]) -> Succeeded:
     (jobs.transitions.runs_lock_to_cancel): in plan order, a pack and the materializer
     cancelling runs of several jobs deadlocked. The update's snapshot then comes after
     those locks, so it never waits on a run that has left `running` meanwhile (whose
-    attempt it does not hold: a run leaves `running` only with its attempt's row lock)."""
+    attempt it does not hold: a run leaves `running` only with its attempt's row lock).
+    `manifests`: the attempts' log manifests, inserted by the same statement for those
+    that won (none for a refused one)."""
     if not successes:
         return Succeeded(won=set(), runs_moved=0)
     if len(successes) > 1:
@@ -146,9 +166,8 @@ def attempts_succeed(*, successes: list[Success]) -> Succeeded:
             "SELECT id FROM jobs_attempt WHERE id = ANY(%s) ORDER BY id FOR UPDATE",
             [[success.attempt_id for success in successes]],
         )
-    moved, won = fetch_one(
-        _SUCCEED,
-        {
+    with prepared_cursor() as cursor:  # the worker's hot statement: planned once
+        cursor.execute(_SUCCEED_SEALED if manifests else _SUCCEED, {
             "ids": [success.attempt_id for success in successes],
             "runs": [success.run_id for success in successes],
             "tokens": [success.token for success in successes],
@@ -158,8 +177,9 @@ def attempts_succeed(*, successes: list[Success]) -> Succeeded:
                 for success in successes
             ],
             "started": [success.started_at for success in successes],
-        },
-    )
+            "manifests": manifests_document(manifests) if manifests else None,
+        })  # fmt: skip
+        moved, won = cursor.fetchone()
     return Succeeded(won=set(won or ()), runs_moved=moved)
 
 

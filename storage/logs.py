@@ -33,15 +33,19 @@ def log_manifests_insert(*, manifests: Sequence[LogManifestRow]) -> int:
     of the same attempt's manifest (unique). Returns the number of rows inserted."""
     if not manifests:
         return 0
-    rows = [
-        {**{field: getattr(m, field) for field in MANIFEST_FIELDS},
-         "created_at": m.created_at.isoformat() if m.created_at is not None else None}
-        for m in manifests
-    ]  # fmt: skip
     columns = ", ".join(MANIFEST_FIELDS)
     return execute(
         f"INSERT INTO logs_app_logmanifest ({columns}, created_at)"
         f" SELECT {columns}, COALESCE(created_at, NOW())"
         " FROM jsonb_populate_recordset(NULL::logs_app_logmanifest, %s::jsonb)",
-        [json.dumps(rows)],
+        [manifests_document(manifests)],
     )
+
+
+def manifests_document(manifests: Sequence[LogManifestRow]) -> str:
+    """The manifests as one JSON document, the rows jsonb_populate_recordset reads."""
+    return json.dumps([
+        {**{field: getattr(m, field) for field in MANIFEST_FIELDS},
+         "created_at": m.created_at.isoformat() if m.created_at is not None else None}
+        for m in manifests
+    ])  # fmt: skip

@@ -13,7 +13,8 @@ import json
 import uuid
 from typing import Any, NamedTuple
 
-from django.db import connection
+from .queues import PAUSED_IN_FORCE, QUEUE_TABLE
+from .sql import prepared_cursor
 
 
 class ClaimedRun(NamedTuple):
@@ -47,8 +48,26 @@ _ATTEMPT_INSERT_COLUMNS = (
     " heartbeat_at, started_at, error, task_id"
 )
 
-_CLAIM = f"""
+# The gate a claim passes when `gated`: the control row of the run's queue, if it has one,
+# share-locked until the claim's transaction ends (a pause, which updates it, waits for
+# the claim), and `held` when it is paused now, capped or rate-limited (those go through
+# dispatch.queues instead). An uncorrelated subquery: evaluated once, before the run's
+# row is locked, the order dispatch.queues takes the two locks in.
+_GATE = f"""
+    gate AS (
+        SELECT {PAUSED_IN_FORCE} OR q.max_running IS NOT NULL
+               OR q.rate_per_second IS NOT NULL AS held
+          FROM jobs_run AS r0 JOIN jobs_jobversion AS v0 ON v0.id = r0.job_version_id
+          JOIN {QUEUE_TABLE} AS q ON q.name = v0.spec->>'queue'
+         WHERE r0.id = %(run_id)s::uuid
+           FOR SHARE OF q
+    ),"""
+
+
+def _claim_statement(*, gated: bool) -> str:
+    return f"""
     WITH clock AS (SELECT COALESCE(%(now)s::timestamptz, clock_timestamp()) AS now),
+    {_GATE if gated else ""}
     claimed AS (
         UPDATE jobs_run AS r
            SET state = 'running', fencing_token = r.fencing_token + 1,
@@ -56,7 +75,8 @@ _CLAIM = f"""
                started_at = COALESCE(r.started_at, clock.now), next_attempt_at = NULL,
                published_at = COALESCE(r.published_at, %(published_at)s::timestamptz)
           FROM clock
-         WHERE r.id = %(run_id)s AND r.state = ANY(%(from_states)s)
+         WHERE r.id = %(run_id)s::uuid AND r.state = ANY(%(from_states)s::text[])
+           {"AND NOT EXISTS (SELECT 1 FROM gate WHERE gate.held)" if gated else ""}
      RETURNING {_CLAIMED_RETURNING}, clock.now
     ),
     timed AS (
@@ -71,13 +91,17 @@ _CLAIM = f"""
     ),
     attempt AS (
         INSERT INTO jobs_attempt ({_ATTEMPT_INSERT_COLUMNS})
-        SELECT id, attempt_count, fencing_token, 'running', %(worker)s,
-               %(claim_id)s, lease_expires_at, deadline_at, now, now, '', %(task_id)s
+        SELECT id, attempt_count, fencing_token, 'running', %(worker)s::text,
+               %(claim_id)s::uuid, lease_expires_at, deadline_at, now, now, '', %(task_id)s::text
           FROM timed
      RETURNING id
     )
     SELECT timed.*, attempt.id AS attempt_id FROM timed CROSS JOIN attempt
 """
+
+
+_CLAIM = _claim_statement(gated=False)
+_CLAIM_GATED = _claim_statement(gated=True)
 
 
 def run_claim(
@@ -90,6 +114,7 @@ def run_claim(
     timeout_seconds: float | None = None,
     published_at: dt.datetime | None = None,
     task_id: str = "",
+    gated: bool = False,
 ) -> ClaimedRun | None:
     """queued -> running for one run, with a new attempt holding the next fencing token, a
     lease and a deadline, started now; None when the run is not queued (a duplicate
@@ -99,7 +124,12 @@ def run_claim(
 
     One statement, in its own implicit transaction or the caller's; takes the run's row
     lock (the conditional UPDATE: a concurrent claim waits, then finds it `running` and
-    changes nothing)."""
+    changes nothing).
+
+    `gated`: only when the run's queue has no control in force (no control row, or one
+    neither paused now nor capped nor rate-limited), whose row the statement share-locks
+    (_GATE); None otherwise too, and the caller goes through the queue's gate
+    (dispatch.queues), which this one statement saves the uncontrolled queues."""
     params = {
         "run_id": _uuid(run_id),
         "worker": worker,
@@ -111,7 +141,7 @@ def run_claim(
         "task_id": task_id,
         "from_states": ["queued"],
     }
-    rows = _claimed(_CLAIM, params)
+    rows = _claimed(_CLAIM_GATED if gated else _CLAIM, params)
     return rows[0] if rows else None
 
 
@@ -122,7 +152,7 @@ _RESERVE = f"""
     ),
     locked AS (  -- in the order of their ids, as every multi-run update locks them
         SELECT r.id FROM jobs_run AS r JOIN pack ON r.id = pack.run_id
-         WHERE r.state = ANY(%(from_states)s) AND r.attempt_count = 0
+         WHERE r.state = ANY(%(from_states)s::text[]) AND r.attempt_count = 0
          ORDER BY r.id FOR UPDATE OF r
     ),
     claimed AS (
@@ -133,7 +163,7 @@ _RESERVE = f"""
                published_at = COALESCE(r.published_at, %(published_at)s::timestamptz)
           FROM clock, pack, jobs_jobversion AS v
          WHERE r.id = pack.run_id AND r.id IN (SELECT id FROM locked)
-           AND r.state = ANY(%(from_states)s) AND r.attempt_count = 0
+           AND r.state = ANY(%(from_states)s::text[]) AND r.attempt_count = 0
            AND v.id = r.job_version_id
            AND COALESCE(v.spec->>'delivery', '') <> 'at_most_once'
      RETURNING {_CLAIMED_RETURNING},
@@ -149,15 +179,15 @@ _RESERVE = f"""
         -- them has no limit.
         SELECT claimed.*, CASE WHEN bool_and(timeout IS NOT NULL) OVER upto
                THEN now + make_interval(
-                   secs => sum(timeout + %(grace)s) OVER upto - %(grace)s
+                   secs => sum(timeout + %(grace)s::float8) OVER upto - %(grace)s::float8
                ) END AS deadline_at
           FROM claimed
         WINDOW upto AS (ORDER BY position ROWS UNBOUNDED PRECEDING)
     ),
     attempt AS (
         INSERT INTO jobs_attempt ({_ATTEMPT_INSERT_COLUMNS})
-        SELECT id, attempt_count, fencing_token, 'running', %(worker)s,
-               %(claim_id)s, lease_expires_at, deadline_at, now, NULL, '', %(task_id)s
+        SELECT id, attempt_count, fencing_token, 'running', %(worker)s::text,
+               %(claim_id)s::uuid, lease_expires_at, deadline_at, now, NULL, '', %(task_id)s::text
           FROM bounded ORDER BY position
      RETURNING id, run_id
     )
@@ -200,7 +230,7 @@ def runs_reserve(
 
 
 def _claimed(statement: str, params: dict[str, Any]) -> list[ClaimedRun]:
-    with connection.cursor() as cursor:
+    with prepared_cursor() as cursor:
         cursor.execute(statement, params)
         names = [column.name for column in cursor.description]
         rows = [dict(zip(names, values, strict=True)) for values in cursor.fetchall()]

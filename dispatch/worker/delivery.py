@@ -48,7 +48,8 @@ RATE_WAIT_SECONDS = 60.0
 def _claim(
     *, run_id: str, worker: str, published_at: dt.datetime | None, task_id: str
 ) -> Attempt | str | None:
-    """Claim the delivered run (one statement, after its queue's gate: dispatch.queues),
+    """Claim the delivered run (one statement when its queue has no control in force;
+    otherwise after its queue's gate: dispatch.queues),
     retrying through a database outage for a bounded time. None: not claimable (a duplicate
     delivery, a cancelled or unknown run); HANDED_BACK: its queue is paused or at its cap,
     and the run waits in PostgreSQL again, no attempt charged. A run of a rate-limited
@@ -64,6 +65,15 @@ def _claim(
         )
 
     def claim(claim_id: uuid.UUID) -> Attempt | str | float | None:
+        # A queue without a control in force: the claim alone, one statement that reads
+        # and share-locks the queue's control row itself. Otherwise (or when the run is
+        # not claimable), the queue's gate first, in a transaction of its own.
+        claimed = run_claim(
+            run_id=run_id, worker=worker, claim_id=claim_id, published_at=published_at,
+            task_id=task_id, gated=True,
+        )  # fmt: skip
+        if claimed is not None:
+            return claimed
         with transaction.atomic():
             held = queue_holds_run(run_id=run_id)
             if held is True:

@@ -21,7 +21,7 @@ from jobs.counters import counter_increment
 from jobs.models import Attempt, AttemptState, Run, RunState
 from jobs.outcomes import Failure, Success, attempts_record_failure, attempts_record_success
 from jobs.redaction import redact, redact_value
-from logs_app.store import logs_discard, logs_seal, logs_seal_many
+from logs_app.store import logs_discard, logs_manifests_alone, logs_seal, logs_seal_many
 
 from ..errors import NonRetryableError
 from .keeper import LEASE_KEEPER, Lease
@@ -156,16 +156,20 @@ def _succeeded(items: list[_Success], *, retry: bool = True) -> dict[int, str]:
     with the leases still held."""
 
     def write() -> set[int]:
+        # Handlers that logged nothing: their manifests go in the success's own statement.
+        alone = logs_manifests_alone([(item.attempt, item.logs) for item in items])
         with transaction.atomic():
             # One statement for the attempts and their runs (the hot path's form).
             won = attempts_record_success(
-                successes=[Success(item.attempt, item.result) for item in items]
+                successes=[Success(item.attempt, item.result) for item in items],
+                manifests=alone or (),
             )
-            # The logs are complete whenever the run shows its success.
-            logs_seal_many(
-                [(item.attempt, item.logs) for item in items if item.attempt.id in won],
-                now=Now(),
-            )
+            if alone is None:
+                # The logs are complete whenever the run shows its success.
+                logs_seal_many(
+                    [(item.attempt, item.logs) for item in items if item.attempt.id in won],
+                    now=Now(),
+                )
         refused = [item.attempt.id for item in items if item.attempt.id not in won]
         if refused:
             # Refused, yet succeeded: a retry after an ambiguous commit of this very write.

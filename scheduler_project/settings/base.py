@@ -145,6 +145,11 @@ def _database(url: str, **overrides) -> dict:
             "keepalives_interval": 10,
             "keepalives_count": 3,
             "options": "-c idle_in_transaction_session_timeout=600000",
+            # psycopg may prepare statements (Django disables it by default for poolers in
+            # transaction mode; none is used). Only the worker's hot
+            # statements ask for it (storage.sql.prepared_cursor); Django's own cursors
+            # bind on the client and are never prepared.
+            "prepare_threshold": 5,
             **config.get("OPTIONS", {}),
         }
         if env.SCHEDULER_DB_APPLICATION_NAME:

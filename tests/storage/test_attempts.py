@@ -210,3 +210,24 @@ def test_a_renewal_passes_over_an_attempt_another_session_holds(claimed):
     assert (renewal.renewed, renewal.held_elsewhere) == ({free.id}, {held.id})
     assert Attempt.objects.get(id=free.id).lease_expires_at == later(70)
     assert Attempt.objects.get(id=held.id).lease_expires_at == later(30)  # untouched
+
+
+def test_a_success_inserts_the_manifests_of_the_attempts_that_won_only(claimed):
+    from logs_app.models import LogManifest
+    from storage.logs import LogManifestRow
+
+    won, stale = claimed(), claimed()
+
+    def manifest(attempt: Attempt) -> LogManifestRow:
+        return LogManifestRow(attempt_id=attempt.id, chunk_count=0, line_count=0, byte_count=0,
+                              sha256="e3b0", dropped_lines=2, created_at=None)  # fmt: skip
+
+    with transaction.atomic():
+        succeeded = attempts_succeed(
+            successes=[success(won), success(stale, token=stale.fencing_token + 1)],
+            manifests=[manifest(won), manifest(stale)],
+        )
+    assert succeeded.won == {won.id}
+    sealed = LogManifest.objects.get(attempt_id=won.id)
+    assert (sealed.chunk_count, sealed.dropped_lines, sealed.sha256) == (0, 2, "e3b0")
+    assert not LogManifest.objects.filter(attempt_id=stale.id).exists()
