@@ -2,6 +2,8 @@
 
 import dataclasses
 
+import pytest
+
 from dispatch.packing import (
     AUTO_MIN_RUNS,
     AUTO_PACK_MAX,
@@ -13,6 +15,7 @@ from dispatch.packing import (
     pack_size_decide,
     pack_time_limit,
 )
+from jobs.registry import task_pack_declared, task_pack_size, task_register
 from storage.durations import TaskDurations
 
 
@@ -133,3 +136,17 @@ def test_few_rows_declared_tasks_and_known_tasks_are_not_probed():
             + [Row(90 + i, "known") for i in range(30)])  # fmt: skip
     assert packing.probe(rows) == ([], rows)
     assert packing("fixed") == 20 and packing("known") == 1 and packing("few") == 1
+
+
+def test_the_registry_tells_a_task_that_declared_nothing_from_one_that_declared_pack_1():
+    def handler(ctx):
+        return None
+
+    task_register(name="tests.packing.nothing", handler=handler)
+    task_register(name="tests.packing.alone", handler=handler, pack=1)
+    assert task_pack_declared("tests.packing.nothing") is None
+    assert task_pack_declared("tests.packing.alone") == 1
+    assert task_pack_size("tests.packing.nothing") == 1
+    for bad in (0, True, 2.5):
+        with pytest.raises(ValueError, match="pack must be"):
+            task_register(name="tests.packing.bad", handler=handler, pack=bad)
