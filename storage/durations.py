@@ -1,9 +1,15 @@
 """What each task's recent runs took: the figures the relay packs a task's runs by
-(dispatch.packing). Read, never written: the run rows keep `started_at` and `finished_at`
+(dispatch.packing). Read, never written: the run and attempt rows keep their times
 already, so nothing is added to the completion path.
 
 The read is bounded: the last WINDOW finished runs, newest first through run_finished_idx,
-grouped by task. A task none of whose runs are among them reads as having no history.
+each with its last attempt (attempt_number_unique), grouped by task. A task none of whose
+runs are among them reads as having no history.
+
+The runs that travelled in one message (their last attempts share its task id) count as
+one figure each, the message's time divided among its runs: from the first run's start to
+the last one's finish. A packed run's own start -> finish would count the runs after it
+whose successes were recorded with its own, and make a short task look long once packed.
 """
 
 from __future__ import annotations
@@ -17,27 +23,37 @@ WINDOW = 2000  # finished runs read, newest first
 
 class TaskDurations(NamedTuple):
     count: int  # finished runs seen
-    mean: float  # seconds
-    p90: float  # seconds
+    mean: float  # seconds a run
+    p90: float  # seconds a run, over the messages
 
 
 def task_durations_recent(*, window: int = WINDOW) -> dict[str, TaskDurations]:
-    """For each task with runs among the last `window` finished (succeeded or failed,
-    started), how many, and their mean and 90th percentile of started -> finished."""
+    """For each task with runs among the last `window` finished (started ones), how many,
+    the mean seconds a run, and the 90th percentile over their messages of the seconds a
+    run of the message took."""
     rows = fetch_all(
         """
-        SELECT j.task, count(*), avg(r.seconds),
-               percentile_cont(0.9) WITHIN GROUP (ORDER BY r.seconds)
-          FROM (SELECT job_id,
-                       GREATEST(EXTRACT(EPOCH FROM finished_at - started_at)::float8, 0)
-                           AS seconds
-                  FROM jobs_run
-                 WHERE state IN ('cancelled', 'failed', 'skipped', 'succeeded')
-                   AND finished_at IS NOT NULL AND started_at IS NOT NULL
-                 ORDER BY finished_at DESC
-                 LIMIT %(window)s) AS r
-          JOIN jobs_job AS j ON j.id = r.job_id
-         GROUP BY j.task
+        WITH recent AS (
+            SELECT id, job_id, attempt_count, started_at, finished_at
+              FROM jobs_run
+             WHERE state IN ('cancelled', 'failed', 'skipped', 'succeeded')
+               AND finished_at IS NOT NULL AND started_at IS NOT NULL
+             ORDER BY finished_at DESC
+             LIMIT %(window)s
+        ),
+        messages AS (
+            SELECT j.task, count(*) AS runs,
+                   GREATEST(EXTRACT(EPOCH FROM max(r.finished_at) - min(r.started_at))::float8,
+                            0) AS seconds
+              FROM recent AS r
+              JOIN jobs_job AS j ON j.id = r.job_id
+              LEFT JOIN jobs_attempt AS a ON a.run_id = r.id AND a.number = r.attempt_count
+             GROUP BY j.task, COALESCE(NULLIF(a.task_id, ''), r.id::text)
+        )
+        SELECT task, sum(runs)::int, sum(seconds) / sum(runs),
+               percentile_cont(0.9) WITHIN GROUP (ORDER BY seconds / runs)
+          FROM messages
+         GROUP BY task
         """,
         {"window": window},
     )

@@ -75,14 +75,14 @@ def test_a_task_with_too_few_finished_runs_is_not_decided():
 
 def test_a_short_task_is_packed_so_a_pack_stays_under_a_second():
     assert pack_size_decide(None, TaskDurations(AUTO_MIN_RUNS, 0.001, 0.002)) == AUTO_PACK_MAX
-    assert pack_size_decide(None, TaskDurations(50, 0.05, 0.08)) == 12
+    assert pack_size_decide(None, TaskDurations(50, 0.08, 0.2)) == 12
     # A rare slow run pulls the mean above the threshold: alone.
     assert pack_size_decide(None, TaskDurations(50, 0.3, 0.002)) == 1
 
 
 def test_a_long_task_travels_alone():
     assert pack_size_decide(None, TaskDurations(50, 5.0, 5.0)) == 1
-    assert pack_size_decide(None, TaskDurations(50, 0.05, 0.1)) == 1
+    assert pack_size_decide(None, TaskDurations(50, 0.05, 0.25)) == 1
 
 
 class Clock:
