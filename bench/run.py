@@ -209,12 +209,12 @@ def main(argv: list[str] | None = None) -> dict:
                 for rep in range(args.repeat):
                     print(f"{name} ({rep + 1}/{args.repeat}) ...", flush=True)
                     reps.append(WORKLOADS[name](args, env, workdir))
-                document["results"][name] = {
-                    "jobs": args.jobs,
-                    "median": median_tree(reps),
-                    "repetitions": reps,
-                }
-                write(document, output)  # what is measured is kept, whatever follows
+                    document["results"][name] = {
+                        "jobs": args.jobs,
+                        "median": median_tree(reps),
+                        "repetitions": reps,
+                    }
+                    write(document, output)  # each repetition is kept, whatever follows
     except BaseException as exc:
         document["error"] = repr(exc)
         raise

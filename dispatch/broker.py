@@ -23,6 +23,7 @@ import datetime as dt
 import logging
 import struct
 import time
+from collections.abc import Callable
 
 from amqp.exceptions import ChannelError
 from amqp.serialization import dumps as amqp_dumps
@@ -311,14 +312,20 @@ class ConfirmingPublisher:
                 self.unconfirmed.add(self.sent)
 
     def publish_batch_and_confirm(
-        self, messages: list[PendingMessage], *, published_at: str, timeout: float
+        self,
+        messages: list[PendingMessage],
+        *,
+        published_at: str,
+        timeout: float,
+        pack_size: Callable[[str], int] = task_pack_size,
     ) -> list[PendingMessage]:
         """Publish every message (the runs of short tasks packed several to a message,
-        dispatch.packing), then wait until the broker confirmed all of them; the messages
-        it returned, routed to no queue (their queue was deleted), which are not published:
-        their queues are declared again on the next publish."""
+        `pack_size` runs of a task at most, dispatch.packing), then wait until the broker
+        confirmed all of them; the messages it returned, routed to no queue (their queue
+        was deleted), which are not published: their queues are declared again on the next
+        publish."""
         self._open()
-        packs = outbox_packs(messages, pack_size=task_pack_size)
+        packs = outbox_packs(messages, pack_size=pack_size)
         if not self.confirms:
             self._publish_kombu(packs, published_at)
             return []

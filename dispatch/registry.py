@@ -10,14 +10,16 @@ from celery import shared_task
 from jobs.registry import task_register
 
 
-def job_task(name: str, *, pack: int = 1, **celery_options):
+def job_task(name: str, *, pack: int | None = None, **celery_options):
     """Register `handler(ctx, *args, **kwargs)` under `name`.
 
-    `pack`: for short tasks, up to this many due runs travel in one broker message, which
-    one pool process runs one after another (each claimed when its turn comes, with its
-    own attempt, lease, token and time limit), recording their successes together: fewer
-    messages, task dispatches and commits per run.
-    Leave it at 1 for tasks that may run long: packed runs wait for the ones before them.
+    `pack`: up to this many due runs travel in one broker message, which one pool process
+    runs one after another (each claimed when its turn comes, with its own attempt, lease,
+    token and time limit), recording their successes together: fewer messages, task
+    dispatches and commits per run. Left out, the relay decides from what the task's
+    recent attempts took (dispatch.packing): a short task's runs are packed, a long or
+    unknown one's travel alone. `pack=1`: never packed (packed runs wait for the ones
+    before them); `pack=N`: always up to N.
 
     The Celery task it becomes receives only the run id; the worker claims the run, loads
     the job's args and kwargs from the run's version, and calls the handler with a context.

@@ -39,6 +39,7 @@ import dataclasses
 import datetime as dt
 import logging
 import math
+import time
 import uuid
 
 from django.db import transaction
@@ -65,6 +66,7 @@ from .broker import (
 from .config import config_require
 from .failpoints import failpoint
 from .loop import BROKER_ERRORS
+from .packing import PackSizes
 from .queues import QueueRoom
 from .shares import MAX_QUEUES, OwnerTurns, allowances, claim_shares
 
@@ -125,6 +127,7 @@ def relay_run_once(
     config: RelayConfig,
     publisher: ConfirmingPublisher,
     turns: OwnerTurns | None = None,
+    packing: PackSizes | None = None,
 ) -> RelayResult:
     """Publish pending rows queue by queue, each queue in its own transaction: up to a
     batch, and no more than the room its high-water mark leaves (the broker's count of its
@@ -133,7 +136,9 @@ def relay_run_once(
     after `refusal_grace` of lasting refusals); neither holds back another queue. Within a
     queue, owners share the room in turn and an owner at its limit is passed over
     (dispatch.shares; `turns` rotates who goes first, kept by the relay's process across
-    steps). An outage stops the step (the loop backs off)."""
+    steps). `packing`: the pack sizes, kept by the relay's process across steps
+    (dispatch.packing); None: only what tasks declared. An outage stops the step (the loop
+    backs off)."""
     turns = turns or OwnerTurns()
     published_at = published_at_text(now)
     published = undeliverable = held_back = 0
@@ -147,7 +152,7 @@ def relay_run_once(
         limit = min(room, config.batch_size)
         sent, refused, held = _relay_queue(
             queue, limit=limit, now=now, published_at=published_at, config=config,
-            publisher=publisher, turns=turns, controls=controls,
+            publisher=publisher, turns=turns, controls=controls, packing=packing,
         )  # fmt: skip
         published += sent
         undeliverable += refused
@@ -185,6 +190,40 @@ def _room(queue: str, *, config: RelayConfig, publisher: ConfirmingPublisher) ->
     return math.inf if depth is None else config.high_water - depth
 
 
+def _publish(
+    messages: list,
+    *,
+    now: dt.datetime,
+    published_at: str,
+    config: RelayConfig,
+    publisher: ConfirmingPublisher,
+    packing: PackSizes | None,
+) -> list:
+    """Publish the claimed rows and wait for the confirms; the rows routed to no queue.
+    With `packing`, the runs of a task with no history yet go in two rounds: a probe
+    published alone, then, once its figures are in (or after a bounded wait), the rest,
+    packed if the probe showed the task short (dispatch.packing)."""
+    if packing is None:
+        return publisher.publish_batch_and_confirm(
+            messages, published_at=published_at, timeout=config.confirm_timeout
+        )
+    probe, rest = packing.probe(messages)
+    unrouted = []
+    if probe:
+        started = time.monotonic()
+        unrouted += publisher.publish_batch_and_confirm(
+            probe, published_at=published_at, timeout=config.confirm_timeout,
+            pack_size=lambda name: 1,
+        )  # fmt: skip
+        packing.await_figures({message.task_name for message in probe})
+        published_at = published_at_text(now + dt.timedelta(seconds=time.monotonic() - started))
+    if rest:
+        unrouted += publisher.publish_batch_and_confirm(
+            rest, published_at=published_at, timeout=config.confirm_timeout, pack_size=packing
+        )
+    return unrouted
+
+
 # A row published this long after it was written waited (backpressure, an owner's limit):
 # its run's updated_at is stamped at publication, for reconciliation (runs_stamp_published_late).
 LATE_PUBLICATION_SECONDS = 30.0
@@ -200,6 +239,7 @@ def _relay_queue(
     publisher: ConfirmingPublisher,
     turns: OwnerTurns,
     controls: QueueRoom,
+    packing: PackSizes | None = None,
 ) -> tuple[int, int, bool]:
     """Claim up to `limit` of the queue's pending rows, shared among their owners in turn
     (each owner's by priority, then oldest first; an owner at its limit passed over), in a
@@ -234,9 +274,8 @@ def _relay_queue(
     ids = [message.id for message in messages]
     failpoint("relay.publishing")
     try:
-        unrouted = publisher.publish_batch_and_confirm(
-            messages, published_at=published_at, timeout=config.confirm_timeout
-        )
+        unrouted = _publish(messages, now=now, published_at=published_at, config=config,
+                            publisher=publisher, packing=packing)  # fmt: skip
     except BrokerRefusal as exc:
         # A refusal on the channel, not an outage: this queue's rows wait, a try
         # counted, and the other queues go on (docs/security.md).

@@ -15,24 +15,31 @@ import inspect
 from collections.abc import Callable
 
 _handlers: dict[str, Callable] = {}
-_pack_sizes: dict[str, int] = {}
+_pack_sizes: dict[str, int | None] = {}
 
 
-def task_register(*, name: str, handler: Callable, pack: int = 1) -> None:
+def task_register(*, name: str, handler: Callable, pack: int | None = None) -> None:
     """Register `handler` under `name`; ValueError when another handler holds the name.
-    `pack`: how many due runs of the task may travel in one broker message."""
+    `pack`: how many due runs of the task may travel in one broker message; None when the
+    task declares nothing (the relay then decides from what its attempts took)."""
     registered = _handlers.get(name)
     if registered is not None and registered.__qualname__ != handler.__qualname__:
         raise ValueError(f"job task '{name}' is already registered by {registered!r}")
-    if not isinstance(pack, int) or isinstance(pack, bool) or pack < 1:
+    if pack is not None and (not isinstance(pack, int) or isinstance(pack, bool) or pack < 1):
         raise ValueError(f"job task '{name}': pack must be a whole number of runs, at least 1")
     _handlers[name] = handler
     _pack_sizes[name] = pack
 
 
+def task_pack_declared(name: str) -> int | None:
+    """The runs per broker message the task declared; None when it declared nothing or
+    this process does not know it."""
+    return _pack_sizes.get(name)
+
+
 def task_pack_size(name: str) -> int:
-    """Runs of the task per broker message (1 for a task this process does not know)."""
-    return _pack_sizes.get(name, 1)
+    """Runs of the task per broker message as declared (1 when it declared nothing)."""
+    return _pack_sizes.get(name) or 1
 
 
 def registered_task_names() -> frozenset[str]:

@@ -75,3 +75,10 @@ def fail_at(ctx, instant=""):
     if instant and ctx.scheduled_for == dt.datetime.fromisoformat(instant):
         raise RuntimeError(f"failing the occurrence {instant} on purpose")
     return {"ok": True}
+
+
+@job_task(name="tests.record_alone", pack=1)
+def record_alone(ctx, *args, **kwargs):
+    """tests.record declared never to be packed."""
+    _record(ctx, "executed", args=list(args), kwargs=kwargs)
+    return {"ok": True, "args": list(args)}

@@ -5,6 +5,7 @@ from dispatch.broker import ConfirmingPublisher, queues_declare
 from dispatch.clockskew import ClockSkewConfig, clock_skew_thread
 from dispatch.loop import StopSignal, run_loop, run_once_step
 from dispatch.operations import OperationsConfig, operations_run_once
+from dispatch.packing import PackSizes
 from dispatch.relay import RelayConfig, relay_run_once, relay_sleep
 from dispatch.shares import OwnerTurns
 from dispatch.wakeup import Listener
@@ -64,6 +65,7 @@ class Command(BaseCommand):
             sleep=lambda result: relay_sleep(result, config),
             publisher=publisher,
             turns=OwnerTurns(),
+            packing=PackSizes(),
         )
         # Bulk operations go on between the relay's steps, one bounded batch each.
         operations_step = run_once_step(operations_run_once, operations_config)
