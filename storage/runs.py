@@ -13,6 +13,8 @@ import json
 import uuid
 from typing import Any, NamedTuple
 
+from django.db import connection
+
 from .queues import PAUSED_IN_FORCE, QUEUE_TABLE
 from .sql import prepared_cursor
 
