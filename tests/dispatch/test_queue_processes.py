@@ -63,7 +63,10 @@ def _pause_drains(stack, *, in_broker: int, due_later: int, report_figure) -> No
     stack.relay("relay", **ENV)
     user, admin = owner("pauser"), operator("queue-operator")
     now = dt.datetime.now(dt.UTC)
-    first = _jobs(user, in_broker, due=now + dt.timedelta(seconds=1), spread=0.5)
+    # A task declaring pack=1: packs of a short task start in pack order on each of the
+    # workers' slots at once, so only runs travelling alone start in due order.
+    first = _jobs(user, in_broker, due=now + dt.timedelta(seconds=1), spread=0.5,
+                  task="tests.record_alone")  # fmt: skip
     first_runs = Run.objects.filter(job__in=first)
     # No worker yet: the relay publishes them and they wait in the broker.
     wait_for(lambda: first_runs.filter(state=RunState.QUEUED).count() == in_broker
@@ -72,7 +75,7 @@ def _pause_drains(stack, *, in_broker: int, due_later: int, report_figure) -> No
     queue_pause(name="jobs", actor=admin, reason="test", until=None, now=db_now())
     acknowledged = db_now()
     later = _jobs(user, due_later, due=dt.datetime.now(dt.UTC) + dt.timedelta(seconds=2),
-                  spread=2.0)  # fmt: skip
+                  spread=2.0, task="tests.record_alone")  # fmt: skip
     _worker(stack, "worker-1", 2)
     _worker(stack, "worker-2", 2)
     others = Run.objects.filter(job__in=_jobs(user, 20, due=dt.datetime.now(dt.UTC),

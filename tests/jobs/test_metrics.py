@@ -154,9 +154,9 @@ def test_a_delivery_is_measured_without_a_statement_of_its_own(operator_api, que
         )  # fmt: skip
     assert outcome["outcome"] == "succeeded"
     sent = [q["sql"] for q in statements.captured_queries if "SAVEPOINT" not in q["sql"]]
-    # The queue's gate (one lookup of its control: dispatch.queues), the claim (one
-    # statement), the attempt's and run's success, the log manifest.
-    assert len(sent) == 4 and not [sql for sql in sent if "jobs_tally" in sql]
+    # The claim with its queue gate (one statement), the attempt's and run's success
+    # with the empty log manifest (one statement).
+    assert len(sent) == 2 and not [sql for sql in sent if "jobs_tally" in sql]
     samples = scrape(operator_api.get("/metrics").content.decode())
     assert histogram(samples, "scheduler_queue_wait_seconds")[0] == 1
     assert histogram(samples, "scheduler_run_duration_seconds")[0] == 1
