@@ -190,6 +190,9 @@ class Run(models.Model):
     duplicate_deliveries = models.PositiveIntegerField(default=0)
     # Attempts made before the latest operator replay: a replay grants a fresh retry budget.
     retry_base = models.PositiveIntegerField(default=0)
+    # The latest operator replay, if any: a replayed run travels in its queue's replay lane
+    # (jobs.lanes), so a bulk replay never sits ahead of the queue's next scheduled runs.
+    replayed_at = models.DateTimeField(null=True, blank=True)
     # Times reconciliation re-published this run because its message never reached a worker.
     republish_count = models.PositiveIntegerField(default=0)
     # Reconciliation's mark on a queued run whose message waits in the outbox on purpose
