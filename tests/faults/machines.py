@@ -24,6 +24,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from tests.processes import wait_for
+
 RABBITMQ_BIN = Path("/usr/lib/rabbitmq/bin")
 POSTGRES_BIN = Path("/usr/lib/postgresql/15/bin")
 RABBITMQ_PORTS = (5681, 5682, 5683)
@@ -49,17 +51,6 @@ def port_open(port: int, host: str = "127.0.0.1") -> bool:
             return True
     except OSError:
         return False
-
-
-def wait_until(condition, *, timeout: float, message: str, interval: float = 0.2):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = condition()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {message}")
-        time.sleep(interval)
 
 
 def _killpg(process: subprocess.Popen | None) -> None:
@@ -178,7 +169,7 @@ class RabbitCluster:
             node.ctl("stop_app")
             node.ctl("join_cluster", first.name)
             node.ctl("start_app")
-        wait_until(lambda: len(self.running(first)) == len(self.nodes), timeout=60,
+        wait_for(lambda: len(self.running(first)) == len(self.nodes), timeout=60,
                    message="the nodes to cluster")  # fmt: skip
 
     def running(self, via: RabbitNode) -> list[str]:
@@ -270,7 +261,7 @@ class PostgresPair:
                 "application_name=standby'\n"
             )
         self.pg_ctl(self.standby, "-l", str(self.base / "standby.log"), "-w", "start")
-        wait_until(lambda: self.sql(self.ports[0], "SELECT sync_state FROM pg_stat_replication")
+        wait_for(lambda: self.sql(self.ports[0], "SELECT sync_state FROM pg_stat_replication")
                    == "sync", timeout=60, message="the standby to be synchronous")  # fmt: skip
         self.sql(self.ports[0], f"CREATE DATABASE {DATABASE}")
 
