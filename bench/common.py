@@ -153,6 +153,30 @@ class Stack:
         self.wait_started()
         return self
 
+    def start_web(self, workers: int, timeout: float = 60) -> int:
+        """The web process as `standalone` runs it (gunicorn, sync workers), on a free port
+        of loopback; returns the port once `/healthz` answers."""
+        import socket
+        import urllib.request
+
+        from dispatch.management.commands.standalone import web_argv
+
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        self._start("web", web_argv(host="127.0.0.1", port=port, workers=workers))
+        deadline = time.monotonic() + timeout
+        while True:
+            self.check_alive()
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=5):
+                    return port
+            except OSError:
+                if time.monotonic() > deadline:
+                    message = f"the web process did not answer: see {self.workdir}"
+                    raise SystemExit(message) from None
+                time.sleep(0.2)
+
     def wait_started(self, timeout: float = 120) -> None:
         """Every scheduler and relay has printed its start line (workers: see `warm_up`)."""
         deadline = time.monotonic() + timeout
@@ -202,6 +226,16 @@ def bench_owner():
     return get_user_model().objects.get_or_create(username="bench")[0]
 
 
+def bench_owners(count: int) -> list:
+    """The owners a burst is shared among: `bench` alone, or bench-1 .. bench-N."""
+    from django.contrib.auth import get_user_model
+
+    if count <= 1:
+        return [bench_owner()]
+    users = get_user_model().objects
+    return [users.get_or_create(username=f"bench-{i}")[0] for i in range(1, count + 1)]
+
+
 def validated_spec(body: dict) -> dict:
     from jobs.api.validation import JobSpecSerializer
 
@@ -226,14 +260,16 @@ def once_spec(name: str, due: dt.datetime, task: str | None = None) -> dict:
     )
 
 
-def create_once_jobs(prefix: str, count: int, due: dt.datetime) -> None:
-    """`count` one-time jobs named "<prefix> <i>", through `jobs.services.job_create`."""
+def create_once_jobs(prefix: str, count: int, due: dt.datetime, owners: list | None = None):
+    """`count` one-time jobs named "<prefix> <i>", through `jobs.services.job_create`, of
+    `owners` in turn (default: `bench`)."""
     from jobs.services import job_create
 
-    owner = bench_owner()
+    owners = owners or [bench_owner()]
     spec = once_spec(prefix, due)
     now = dt.datetime.now(dt.UTC)
     for index in range(count):
+        owner = owners[index % len(owners)]
         job_create(owner=owner, spec={**spec, "name": f"{prefix} {index}"}, now=now)
 
 
@@ -249,18 +285,92 @@ def creation_rate(probe: int = 50) -> float:
     return rate
 
 
-def create_due_burst(prefix: str, count: int, *, min_lead: float) -> dt.datetime:
+def _due_after(lead: float) -> dt.datetime:
+    due = (dt.datetime.now(dt.UTC) + dt.timedelta(seconds=lead)).replace(microsecond=0)
+    return due + dt.timedelta(seconds=1)
+
+
+def _warn_if_late(count: int, due: dt.datetime) -> None:
+    late = (dt.datetime.now(dt.UTC) - due).total_seconds()
+    if late > -0.5:
+        print(f"  warning: creating {count} jobs ended {late:+.1f}s after their due instant")
+
+
+def create_due_burst(
+    prefix: str, count: int, *, min_lead: float, owners: list | None = None
+) -> dt.datetime:
     """`count` one-time jobs all due at one whole second, far enough ahead that creating them
     ends before it (measured); returns that instant."""
     rate = creation_rate()
     # Creation slows as the tables grow (the probe's rate is the first 50 jobs'): room for it.
-    lead = max(min_lead, 3.0 + 2.5 * count / rate)
-    due = (dt.datetime.now(dt.UTC) + dt.timedelta(seconds=lead)).replace(microsecond=0)
-    due += dt.timedelta(seconds=1)
-    create_once_jobs(prefix, count, due)
-    late = (dt.datetime.now(dt.UTC) - due).total_seconds()
-    if late > -0.5:
-        print(f"  warning: creating {count} jobs ended {late:+.1f}s after their due instant")
+    due = _due_after(max(min_lead, 3.0 + 2.5 * count / rate))
+    create_once_jobs(prefix, count, due, owners)
+    _warn_if_late(count, due)
+    return due
+
+
+def _bulk_post(port: int, token: str, bodies: list[dict], size: int) -> list[int]:
+    """POST /api/v1/jobs/bulk/ of `bodies`, `size` a request, one after the other: the
+    statuses (a client process of its own: one owner's user)."""
+    import http.client
+    import json
+
+    statuses = []
+    for start in range(0, len(bodies), size):
+        connection = http.client.HTTPConnection("127.0.0.1", port, timeout=300)
+        try:
+            connection.request("POST", "/api/v1/jobs/bulk/", body=json.dumps(
+                bodies[start:start + size]), headers={
+                "Authorization": f"Token {token}", "Content-Type": "application/json"})  # fmt: skip
+            response = connection.getresponse()
+            response.read()
+            statuses.append(response.status)
+        finally:
+            connection.close()
+    return statuses
+
+
+def _api_bodies(prefix: str, count: int, due: dt.datetime, owners: int) -> list[list[dict]]:
+    """Per owner, its bodies of "<prefix> <i>" jobs (job i belongs to owner i mod owners)."""
+    body = {"task": bench_task(), "schedule": {"kind": "once", "run_at": due.isoformat()}}
+    return [
+        [{**body, "name": f"{prefix} {i}"} for i in range(o, count, owners)] for o in range(owners)
+    ]
+
+
+def _api_post_all(port: int, tokens: list[str], bodies: list[list[dict]], size: int) -> float:
+    """Every owner's bodies posted by a client process of its own, all at once; seconds."""
+    import multiprocessing
+
+    began = time.monotonic()
+    with multiprocessing.get_context("fork").Pool(len(tokens)) as pool:
+        posts = [(port, token, own, size) for token, own in zip(tokens, bodies, strict=True)]
+        answers = pool.starmap(_bulk_post, posts)
+    refused = [status for statuses in answers for status in statuses if status != 201]
+    if refused:
+        raise SystemExit(f"POST /api/v1/jobs/bulk/ answered {sorted(set(refused))}")
+    return time.monotonic() - began
+
+
+def create_due_burst_api(
+    prefix: str, count: int, *, owners: list, port: int, bulk_size: int, min_lead: float
+) -> dt.datetime:
+    """`count` one-time jobs of `owners` due at one whole second, created through the API
+    (`_api_post_all`) far enough ahead that the posts end before it: the lead comes from
+    a probe of the same shape (a year ahead, deleted)."""
+    from jobs.models import Job
+    from jobs.tokens import token_create
+
+    now = dt.datetime.now(dt.UTC)
+    tokens = [token_create(owner=owner, now=now, name="bench")[1] for owner in owners]
+    probe = max(len(owners) * 25, min(count // 10, 1000))
+    far = now + dt.timedelta(days=365)
+    rate = probe / _api_post_all(port, tokens, _api_bodies("probe", probe, far, len(owners)),
+                                 bulk_size)  # fmt: skip
+    Job.objects.filter(name__startswith="probe ").delete()
+    due = _due_after(max(min_lead, 3.0 + 2.0 * count / rate))
+    _api_post_all(port, tokens, _api_bodies(prefix, count, due, len(owners)), bulk_size)
+    _warn_if_late(count, due)
     return due
 
 

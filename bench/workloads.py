@@ -16,8 +16,10 @@ from bench.bare_celery import bare_celery_burst
 from bench.common import (
     Stack,
     bench_owner,
+    bench_owners,
     bench_task,
     create_due_burst,
+    create_due_burst_api,
     create_once_jobs,
     once_spec,
     purge_queue,
@@ -57,7 +59,8 @@ def _integrity(prefix: str, runs: list[dict]) -> dict:
     """None missing, none doubled: runs per job, attempts per run, refused duplicates."""
     from jobs.models import Attempt, Job, RunState
 
-    jobs = Job.objects.filter(name__startswith=f"{prefix} ").count()
+    named = Job.objects.filter(name__startswith=f"{prefix} ")
+    jobs = named.count()
     per_job = collections.Counter(run["job_id"] for run in runs)
     attempts = collections.Counter(
         Attempt.objects.filter(run__job__name__startswith=f"{prefix} ").values_list(
@@ -66,6 +69,7 @@ def _integrity(prefix: str, runs: list[dict]) -> dict:
     )
     return {
         "jobs": jobs,
+        "owners": named.values("owner").distinct().count(),
         "runs": len(runs),
         "succeeded": sum(run["state"] == RunState.SUCCEEDED for run in runs),
         "missing": jobs - len(per_job),
@@ -131,14 +135,23 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 
 
 def burst(args, env: dict, workdir, *, jobs: int, label: str, fresh: bool = True) -> dict:
-    """W1: `jobs` one-time jobs due at one instant, on the whole stack."""
+    """W1: `jobs` one-time jobs due at one instant, on the whole stack; with `--owners N`,
+    shared among N owners; with `--api`, created as users create them: each owner's jobs
+    posted to `POST /api/v1/jobs/bulk/` of a web process (gunicorn) by a client of its own,
+    all owners at once."""
     if fresh:
         _fresh(env)
     with Stack(args, env, workdir, label=label) as stack:
         stack.start()
+        port = stack.start_web(args.web_workers) if args.api else None
         warmups = args.workers * args.concurrency * 2
         warm_up(stack, count=warmups)
-        due = create_due_burst(label, jobs, min_lead=args.lead)
+        owners = bench_owners(args.owners)
+        if args.api:
+            due = create_due_burst_api(label, jobs, owners=owners, port=port,
+                                       bulk_size=args.bulk_size, min_lead=args.lead)  # fmt: skip
+        else:
+            due = create_due_burst(label, jobs, min_lead=args.lead, owners=owners)
         finished = _wait_finished(stack, warmups + jobs, timeout=args.timeout)
         time.sleep(1.0)  # a late duplicate delivery would be counted in this second
     figures = burst_figures(label, due)
@@ -166,7 +179,8 @@ def bare_only(args, env: dict, workdir) -> dict:
 
 def w2(args, env: dict, workdir) -> dict:
     """M cron jobs `* * * * *`, over K minute boundaries: lateness per boundary, and missed
-    (a job without a started run at a boundary) and doubled (more than one) counts."""
+    (a job without a started run at a boundary) and doubled (more than one) counts; then
+    bare Celery's drain of M no-ops in the same run, each boundary's p99 beside it."""
     from jobs.models import Run, RunState
     from jobs.services import job_create
 
@@ -224,10 +238,16 @@ def w2(args, env: dict, workdir) -> dict:
             }
         )
     p99s = [b["lateness"]["p99"] for b in per_boundary if b["lateness"]["p99"] is not None]
+    # The baseline of the same run: bare Celery draining as many no-ops as a boundary has.
+    baseline = bare(args, env, workdir, tasks=args.jobs)
+    for b in per_boundary:
+        b["p99_ratio"] = _ratio(b["lateness"]["p99"], baseline["last_start"])
     return {
         "jobs": args.jobs,
         "boundaries": per_boundary,
         "worst_p99": max(p99s) if p99s else None,
+        "bare": baseline,
+        "worst_p99_ratio": _ratio(max(p99s) if p99s else None, baseline["last_start"]),
         "missed": sum(b["missed"] for b in per_boundary),
         "doubled": sum(b["doubled"] for b in per_boundary),
         "duplicate_deliveries": sum(b["duplicate_deliveries"] for b in per_boundary),
