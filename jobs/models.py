@@ -159,7 +159,12 @@ class Run(models.Model):
     id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
     # No index of its own: run_job_idx (job_id, scheduled_for) serves every lookup by job.
     job = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="runs", db_index=False)
-    job_version = models.ForeignKey(JobVersion, on_delete=models.PROTECT, related_name="runs")
+    # No index either: no query looks runs up by version (they join a run to its version,
+    # through the version's key), and a version is never deleted (a job's delete is soft),
+    # so nothing pays for an index that every version of every run would write.
+    job_version = models.ForeignKey(
+        JobVersion, on_delete=models.PROTECT, related_name="runs", db_index=False
+    )
     kind = models.CharField(max_length=16, choices=RunKind.choices, default=RunKind.SCHEDULED)
     state = models.CharField(max_length=16, choices=RunState.choices)
     scheduled_for = models.DateTimeField()
@@ -413,8 +418,10 @@ class OutboxMessage(models.Model):
     owner = models.ForeignKey(
         settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="+", db_index=False
     )
-    # The Celery task id: the same on every re-publication of this row.
-    message_id = models.UUIDField(default=uuid.uuid4, unique=True)
+    # The Celery task id: the same on every re-publication of this row. Random (the
+    # writers' gen_random_uuid()) and never looked up: no unique index, which every row's
+    # insert and claim would write.
+    message_id = models.UUIDField(default=uuid.uuid4)
     task_name = models.CharField(max_length=200)
     queue = models.CharField(max_length=100)
     priority = models.PositiveSmallIntegerField(default=0)

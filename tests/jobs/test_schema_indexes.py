@@ -21,6 +21,42 @@ def test_the_guarantees_indexes_stay_and_the_unneeded_ones_are_gone():
     assert "jobs_attempt_run_id_c006c626" not in attempts
 
 
+# The indexes 0013 drops: no query reads them (docs/scale.md, "The hot tables' indexes").
+UNREAD = {"jobs_run": "jobs_run_job_version_id_d01dae9b",
+          "dispatch_outboxmessage": "dispatch_outboxmessage_message_id_key"}  # fmt: skip
+
+
+@pytest.mark.django_db
+def test_no_index_on_a_runs_version_or_an_outbox_rows_message_id():
+    """Every version of a run and every outbox row's insert and claim would write them."""
+    for table, index in UNREAD.items():
+        assert index not in _indexes(table)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_index_review_migration_goes_back_and_forth():
+    """0013 drops the two indexes without touching the run's foreign key, and going back
+    builds them again."""
+    from django.db.migrations.executor import MigrationExecutor
+
+    executor = MigrationExecutor(connection)
+    executor.migrate([("jobs", "0012_run_replayed_at")])
+    try:
+        for table, index in UNREAD.items():
+            assert index in _indexes(table)
+    finally:
+        executor = MigrationExecutor(connection)
+        executor.migrate(executor.loader.graph.leaf_nodes("jobs"))
+    for table, index in UNREAD.items():
+        assert index not in _indexes(table)
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT count(*) FROM pg_constraint WHERE conrelid = 'jobs_run'::regclass"
+            " AND contype = 'f' AND confrelid = 'jobs_jobversion'::regclass"
+        )
+        assert cursor.fetchone()[0] == 1
+
+
 @pytest.mark.django_db
 def test_the_migrations_install_storages_triggers_and_no_other():
     """Every trigger of the project is one of storage's Ddl values (storage.tallies,
