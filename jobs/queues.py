@@ -28,7 +28,7 @@ from storage.outbox import outbox_renumber_in_due_order
 from storage.queues import queues_figures, run_has_pending_message
 
 from .audit import audit_record
-from .lanes import LANES, lanes_of
+from .lanes import LANES, REPLAY_LANE, lanes_of
 from .models import QueueControl, Run, RunState
 from .notify import CHANNEL_OUTBOX, notify
 from .outbox import outbox_enqueue_runs
@@ -166,7 +166,7 @@ def queue_list(*, now: dt.datetime, depth=None) -> list[QueueView]:
     broker's ready count (None when it cannot say)."""
     names = [n for queue in settings.SCHEDULER_QUEUES for n in (queue, *lanes_of(queue))]
     controls = {c.name: c for c in QueueControl.objects.filter(name__in=settings.SCHEDULER_QUEUES)}
-    figures = queues_figures(queues=names, lanes=LANES)
+    figures = queues_figures(queues=names, lanes=LANES, replay_lane=REPLAY_LANE)
     views = []
     for queue in settings.SCHEDULER_QUEUES:
         control = controls.get(queue)

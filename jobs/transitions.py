@@ -162,11 +162,14 @@ def runs_requeue(*, run_ids: list) -> int:
 
 def run_replay(*, run_id) -> bool:
     """failed/cancelled -> queued, with a fresh retry budget; the next claim issues the next
-    fencing token, and the idempotency key stays. The caller writes the outbox row."""
+    fencing token, and the idempotency key stays. `replayed_at` is stamped with the
+    database's now: from then on the run travels in its queue's replay lane (jobs.lanes),
+    its retries and republications too. The caller writes the outbox row."""
     return bool(
         Run.objects.filter(id=run_id, state__in=REPLAYABLE_RUN_STATES).update(
             state=RunState.QUEUED,
             updated_at=Now(),
+            replayed_at=Now(),
             retry_base=F("attempt_count"),
             republish_count=0,
             failure_reason="",

@@ -192,9 +192,12 @@ class QueueFigures(NamedTuple):
     running: int
 
 
-def queues_figures(*, queues: list[str], lanes: dict[str, str]) -> dict[str, QueueFigures]:
-    """Per Celery queue (lanes are their own; `lanes`: run kind -> its lane's suffix):
-    pending outbox rows, and running runs. Counts; no lock."""
+def queues_figures(
+    *, queues: list[str], lanes: dict[str, str], replay_lane: str
+) -> dict[str, QueueFigures]:
+    """Per Celery queue (lanes are their own; `lanes`: run kind -> its lane's suffix,
+    `replay_lane`: the suffix of replayed runs' lane, whatever their kind): pending outbox
+    rows, and running runs. Counts; no lock."""
     waiting = dict(
         fetch_all(
             f"SELECT queue, count(*) FROM {OUTBOX_TABLE} WHERE state = %s AND queue = ANY(%s)"
@@ -205,12 +208,13 @@ def queues_figures(*, queues: list[str], lanes: dict[str, str]) -> dict[str, Que
     running = dict(
         fetch_all(
             f"""
-            SELECT COALESCE((v.spec->>'queue') || '.' || (%(lanes)s::jsonb->>r.kind),
+            SELECT COALESCE((v.spec->>'queue') || '.' || CASE WHEN r.replayed_at IS NOT NULL
+                                THEN %(replay)s ELSE %(lanes)s::jsonb->>r.kind END,
                             v.spec->>'queue'), count(*)
               FROM {RUN_TABLE} AS r JOIN {VERSION_TABLE} AS v ON v.id = r.job_version_id
              WHERE r.state = 'running' GROUP BY 1
             """,
-            {"lanes": json.dumps(lanes)},
+            {"lanes": json.dumps(lanes), "replay": replay_lane},
         )
     )
     return {

@@ -29,12 +29,13 @@ def test_rates_parse_to_a_rate_a_second_and_a_one_second_burst():
 def test_lanes_belong_to_their_queue():
     assert queue_of_lane("jobs.backfill") == "jobs"
     assert queue_of_lane("jobs.manual") == "jobs"
+    assert queue_of_lane("jobs.replay") == "jobs"
     assert queue_of_lane("jobs") == "jobs"
 
 
 def test_operators_pause_resume_and_limit_a_queue(operator_api, operator, api):
     listed = operator_api.get("/api/v1/queues/").json()["results"]
-    assert [q["name"] for q in listed] == ["jobs", "jobs.backfill", "jobs.manual"]
+    assert [q["name"] for q in listed] == ["jobs", "jobs.backfill", "jobs.manual", "jobs.replay"]
     assert not listed[0]["paused"] and listed[0]["max_running"] is None
     assert api.get("/api/v1/queues/").status_code == 403
     assert api.post("/api/v1/queues/jobs/pause/", {}, format="json").status_code == 403
