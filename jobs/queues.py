@@ -25,7 +25,7 @@ from django.contrib.auth.models import AbstractBaseUser
 from django.db import transaction
 
 from storage.outbox import outbox_renumber_in_due_order
-from storage.queues import queues_figures, run_has_pending_message
+from storage.queues import queues_figures, queues_pause_expired_end, run_has_pending_message
 
 from .audit import audit_record
 from .lanes import LANES, REPLAY_LANE, lanes_of
@@ -101,6 +101,23 @@ def queue_resume(*, name: str, actor: AbstractBaseUser) -> QueueControl:
             audit_record(action="queue.resumed", actor=actor, data={"queue": name})
         notify(CHANNEL_OUTBOX)
     return control
+
+
+def queue_pauses_end_expired() -> list[str]:
+    """End the pauses whose `until` has passed as a resume ends one: the queue's waiting
+    rows (its lanes' too) renumbered in due order, audited, in one transaction with the
+    conditional update that clears the pause, so that it happens once whoever notices it
+    (every relay step starts with it, before it reads the queues' controls). The names of
+    the queues resumed."""
+    with transaction.atomic():
+        names = queues_pause_expired_end()
+        for name in names:
+            outbox_renumber_in_due_order(queues=[name, *lanes_of(name)])
+            audit_record(action="queue.resumed", by="relay",
+                         data={"queue": name, "ended_by": "until"})  # fmt: skip
+        if names:
+            notify(CHANNEL_OUTBOX)
+    return names
 
 
 _UNSET = object()

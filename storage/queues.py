@@ -32,6 +32,23 @@ class QueueHold(NamedTuple):
     burst: float | None  # the rate's burst; None without a rate
 
 
+def queues_pause_expired_end() -> list[str]:
+    """Clear every pause whose `until` has passed on the database's clock (paused off,
+    `until` unset), in one conditional UPDATE in the caller's transaction; the names of
+    the queues it ended. Its row locks last the transaction: a second caller waits, then
+    finds those pauses cleared and ends none of them, so each pause is ended once."""
+    return [
+        row[0]
+        for row in fetch_all(
+            f"""
+            UPDATE {QUEUE_TABLE} AS q SET paused = false, paused_until = NULL
+             WHERE q.paused AND q.paused_until IS NOT NULL AND q.paused_until <= clock_timestamp()
+            RETURNING q.name
+            """
+        )
+    ]
+
+
 def queues_held() -> dict[str, QueueHold]:
     """Every queue with a control in force (paused now, a cap or a rate): one statement,
     no lock."""

@@ -168,3 +168,26 @@ def test_pausing_a_queue_tells_the_webhooks_that_asked_once(operator_api, user):
     assert delivery.event == "queue.paused"
     assert delivery.data["queue"] == {"name": "jobs", "reason": "db migration",
                                       "until": None}  # fmt: skip
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_pause_ended_by_its_until_is_ended_once_by_two_relays_at_once(operator):
+    """Two relays notice the same expired pause at once: the second waits for the first's
+    conditional update, then finds nothing to end (one resume, one renumbering)."""
+    from jobs.clock import db_now
+    from jobs.queues import queue_pause, queue_pauses_end_expired
+    from storage.queues import queues_pause_expired_end
+    from tests.threads import in_thread, wait_for_lock_waiters
+
+    past = db_now() - dt.timedelta(seconds=1)
+    queue_pause(name="jobs", actor=operator, reason="test", until=past, now=past)
+    ended: list = []
+    errors: list = []
+    with transaction.atomic():
+        assert queues_pause_expired_end() == ["jobs"]  # the first relay, not yet committed
+        other = in_thread(lambda: ended.append(queue_pauses_end_expired()), errors)
+        wait_for_lock_waiters(1)
+    other.join(20)
+    assert errors == [] and ended == [[]]
+    assert not QueueControl.objects.get(name="jobs").paused
+    assert queue_pauses_end_expired() == []
