@@ -175,3 +175,59 @@ def test_near_term_runs_start_on_time_while_a_large_backfill_drains(stack, repor
     )
     assert p99 < 5.0
     assert unfinished > 0, "the backfill had drained: the test proved nothing"
+
+
+REPLAYED = 5000
+
+
+@pytest.mark.slow
+def test_near_term_runs_start_on_time_while_a_large_bulk_replay_drains(stack, report_figure):
+    """5,000 failed runs replayed by a bulk operation (the relay works it), then 100
+    one-time runs due 5 s later: they start within seconds of their due time while the
+    replays, queued first, are still draining beside them in `jobs.replay`."""
+    from jobs.models import BulkOperation, BulkOperationItem
+
+    user = owner("replays")
+    past = dt.datetime.now(dt.UTC) - dt.timedelta(minutes=5)
+    # A task declaring pack=1, as above: packed, the replays would be done too soon.
+    spec = job_spec(
+        task="tests.record_alone", schedule={"kind": "once", "run_at": past.isoformat()}
+    )
+    failed = job_create_bulk(
+        owner=user, specs=[spec] * REPLAYED, now=past - dt.timedelta(minutes=1)
+    )
+    while scheduler_run_once(now=dt.datetime.now(dt.UTC), config=SchedulerConfig()).batch_full:
+        pass
+    runs = Run.objects.filter(job__in=failed)
+    OutboxMessage.objects.filter(run__in=runs).delete()
+    runs.update(state=RunState.FAILED, failure_reason="error", finished_at=past)
+    operation = BulkOperation.objects.create(owner=user, action="runs.replay", matched=REPLAYED)
+    BulkOperationItem.objects.bulk_create(
+        BulkOperationItem(operation=operation, target=run_id)
+        for run_id in runs.values_list("id", flat=True)
+    )
+    stack.scheduler()
+    stack.relay()
+    stack.worker("worker-1", concurrency=2)
+    stack.worker("worker-2", concurrency=2)
+    wait_for(lambda: runs.filter(state=RunState.SUCCEEDED).exists(), timeout=60,
+             message="the replays to start draining")  # fmt: skip
+
+    due = dt.datetime.now(dt.UTC) + dt.timedelta(seconds=5)
+    spec = job_spec(task="tests.record", schedule={"kind": "once", "run_at": due.isoformat()})
+    jobs = job_create_bulk(owner=user, specs=[spec] * NEAR_TERM, now=dt.datetime.now(dt.UTC))
+    near = Run.objects.filter(job__in=jobs)
+    wait_for(lambda: near.filter(state=RunState.SUCCEEDED).count() == NEAR_TERM, timeout=120,
+             message="the near-term runs to succeed")  # fmt: skip
+    unfinished = runs.exclude(state=RunState.SUCCEEDED).count()
+    lateness = sorted(
+        (run.started_at - run.due_at).total_seconds() for run in near.only("started_at", "due_at")
+    )
+    p99 = lateness[math.ceil(0.99 * len(lateness)) - 1]
+    report_figure(
+        f"{NEAR_TERM} near-term runs beside a bulk replay of {REPLAYED}: start lateness p50 "
+        f"{lateness[len(lateness) // 2]:.2f} s, p99 {p99:.2f} s, max {lateness[-1]:.2f} s; "
+        f"{unfinished} replayed runs still unfinished then"
+    )
+    assert p99 < 5.0
+    assert unfinished > 0, "the replays had drained: the test proved nothing"
