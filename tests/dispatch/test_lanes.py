@@ -207,11 +207,13 @@ def test_near_term_runs_start_on_time_while_a_large_bulk_replay_drains(stack, re
         for run_id in runs.values_list("id", flat=True)
     )
     stack.scheduler()
+    # One worker slot: the replays (a batch of 100 between two relay steps) enter faster
+    # than it drains them, so a backlog builds up in the broker, as a large replay's does.
     stack.relay()
-    stack.worker("worker-1", concurrency=2)
-    stack.worker("worker-2", concurrency=2)
-    wait_for(lambda: runs.filter(state=RunState.SUCCEEDED).exists(), timeout=60,
-             message="the replays to start draining")  # fmt: skip
+    stack.worker("worker-1", concurrency=1)
+    progress = BulkOperation.objects.filter(id=operation.id)
+    wait_for(lambda: progress.values_list("done", flat=True)[0] >= REPLAYED // 2, timeout=120,
+             message="half the replays queued")  # fmt: skip
 
     due = dt.datetime.now(dt.UTC) + dt.timedelta(seconds=5)
     spec = job_spec(task="tests.record", schedule={"kind": "once", "run_at": due.isoformat()})
@@ -229,5 +231,6 @@ def test_near_term_runs_start_on_time_while_a_large_bulk_replay_drains(stack, re
         f"{lateness[len(lateness) // 2]:.2f} s, p99 {p99:.2f} s, max {lateness[-1]:.2f} s; "
         f"{unfinished} replayed runs still unfinished then"
     )
-    assert p99 < 5.0
+    # In the job's queue itself (the replays ahead of them), p99 4.6-8.3 s.
+    assert p99 < 3.0
     assert unfinished > 0, "the replays had drained: the test proved nothing"
