@@ -17,7 +17,7 @@ from collections import defaultdict
 from django.conf import settings
 from django.contrib.auth.models import AbstractBaseUser
 from django.contrib.auth.views import redirect_to_login
-from django.db.models import Count, Max
+from django.db.models import Count, Max, Q
 from django.http import HttpRequest, HttpResponse, HttpResponseForbidden
 from django.shortcuts import render
 
@@ -169,16 +169,18 @@ def _throughput_chart(runs: list[dict], span: PlotSpan):
 
 def _queues() -> list[QueueFigures]:
     """Each Celery queue a run travels in, lanes apart (`<queue>.backfill`): the outbox
-    rows name it, the queued runs are counted by their job's queue and their kind."""
+    rows name it, the queued runs are counted by their job's queue, their kind and whether
+    they were replayed."""
     pending = dict(OutboxMessage.objects.values_list("queue").annotate(n=Count("id")).order_by())
     queued: dict[str, int] = defaultdict(int)
-    for queue, kind, n in (
+    for queue, kind, replayed, n in (
         Run.objects.filter(state=RunState.QUEUED)
-        .values_list("job__queue", "kind")
+        .annotate(replayed=Q(replayed_at__isnull=False))
+        .values_list("job__queue", "kind", "replayed")
         .annotate(n=Count("id"))
         .order_by()
     ):
-        queued[lane_queue(queue, kind)] += n
+        queued[lane_queue(queue, kind, replayed=replayed)] += n
     names = sorted(
         {*getattr(settings, "SCHEDULER_QUEUES", []), settings.SCHEDULER_DEFAULT_QUEUE}
         | pending.keys()

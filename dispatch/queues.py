@@ -26,7 +26,7 @@ from django.db import transaction
 
 from jobs.clock import db_now
 from jobs.counters import counter_increment
-from jobs.lanes import LANES
+from jobs.lanes import LANE_SUFFIXES
 from jobs.queues import run_hand_back
 from storage.queues import (
     QueueHold,
@@ -70,7 +70,7 @@ def queue_hand_back(*, run_id: str) -> bool:
 
 def queue_of_lane(name: str) -> str:
     """The configured queue a Celery queue belongs to (a lane's, or itself)."""
-    for lane in LANES.values():
+    for lane in LANE_SUFFIXES:
         if name.endswith(f".{lane}"):
             return name[: -len(lane) - 1]
     return name

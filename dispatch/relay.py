@@ -47,6 +47,7 @@ from django.db import transaction
 from jobs.audit import audit_record
 from jobs.models import FailureReason, OutboxMessage
 from jobs.outbox import outbox_record_failure
+from jobs.queues import queue_pauses_end_expired
 from jobs.redaction import redact
 from jobs.transitions import active_runs_record, run_give_up, runs_stamp_published_late
 from storage.outbox import (
@@ -143,6 +144,9 @@ def relay_run_once(
     published_at = published_at_text(now)
     published = undeliverable = held_back = 0
     batch_full = False
+    # A pause whose `until` has passed is ended (its rows renumbered in due order) before
+    # the controls are read, so that no row of its queue goes out of order.
+    queue_pauses_end_expired()
     controls = QueueRoom()
     for queue in outbox_pending_queues(limit=MAX_QUEUES):
         room = 0 if controls.paused(queue) else _room(queue, config=config, publisher=publisher)

@@ -27,7 +27,7 @@ from .notify import CHANNEL_OUTBOX, notify
 from .schedules import ScheduleError
 from .selectors import job_list, run_list
 from .services import job_cancel, job_pause, job_resume, run_cancel_request, run_replay_request
-from .transitions import runs_lock_to_cancel
+from .transitions import jobs_lock_to_cancel, runs_lock_to_cancel
 
 DONE = "done"
 log = logging.getLogger("jobs.operations")
@@ -139,6 +139,9 @@ def operations_run_batch(*, now: dt.datetime, batch_size: int) -> int:
                 # takes it (attempts, then runs, each in id order): one by one, in the
                 # items' order, a batch and a pack of the same runs deadlocked.
                 runs_lock_to_cancel(run_ids=[item.target for item in items])
+            elif operation.action == "jobs.cancel":
+                # The same for every run of the batch's jobs at once (job rows first).
+                jobs_lock_to_cancel(job_ids=[item.target for item in items])
             targets = _targets(operation.action, [item.target for item in items])
             outcomes: Counter[str] = Counter()
             for item in items:

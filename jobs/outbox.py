@@ -20,7 +20,7 @@ from storage.outbox import (
     outbox_record_failed_try,
 )
 
-from .lanes import LANES, lane_queue
+from .lanes import LANES, REPLAY_LANE, lane_queue
 from .models import Run
 from .notify import CHANNEL_OUTBOX, notify
 from .redaction import redact
@@ -38,10 +38,13 @@ __all__ = [
 
 def run_lane_queue():
     """The Celery queue of a run (jobs.lanes.lane_queue) as an expression over Run rows:
-    its version's `queue`, with the lane of its kind."""
+    its version's `queue`, with the replay lane when it was replayed, else the lane of its
+    kind."""
     queue = KeyTextTransform("queue", "job_version__spec")
     text = TextField()
     return Case(
+        When(replayed_at__isnull=False,
+             then=Concat(queue, Value(f".{REPLAY_LANE}"), output_field=text)),
         *(When(kind=kind, then=Concat(queue, Value(f".{lane}"), output_field=text))
           for kind, lane in LANES.items()),
         default=queue,
@@ -51,8 +54,8 @@ def run_lane_queue():
 
 def outbox_enqueue_runs(*, runs: list[Run], now: dt.datetime) -> int:
     """One task message per run (`run.job_version` must be loaded), in one INSERT, to the
-    lane of the run's kind (jobs.lanes); the relays are woken when the transaction commits.
-    Returns the rows written.
+    run's lane (jobs.lanes: its kind's, the replay lane once replayed); the relays are
+    woken when the transaction commits. Returns the rows written.
 
     Every run queued again (retry, replay, reconciliation's republication) passes through
     here, and its ActiveRun row goes in the same statement: the run waits in the outbox
@@ -64,7 +67,9 @@ def outbox_enqueue_runs(*, runs: list[Run], now: dt.datetime) -> int:
     written = outbox_enqueue_many(
         entries=[
             OutboxEntry(run_id=run.id, job_id=run.job_id, task_name=spec["task"],
-                        queue=lane_queue(spec["queue"], run.kind), priority=spec["priority"],
+                        queue=lane_queue(spec["queue"], run.kind,
+                                         replayed=run.replayed_at is not None),
+                        priority=spec["priority"],
                         timeout_seconds=spec.get("timeout_seconds"))
             for run, spec in zip(runs, specs, strict=True)
         ],

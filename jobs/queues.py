@@ -25,10 +25,10 @@ from django.contrib.auth.models import AbstractBaseUser
 from django.db import transaction
 
 from storage.outbox import outbox_renumber_in_due_order
-from storage.queues import queues_figures, run_has_pending_message
+from storage.queues import queues_figures, queues_pause_expired_end, run_has_pending_message
 
 from .audit import audit_record
-from .lanes import LANES, lanes_of
+from .lanes import LANES, REPLAY_LANE, lanes_of
 from .models import QueueControl, Run, RunState
 from .notify import CHANNEL_OUTBOX, notify
 from .outbox import outbox_enqueue_runs
@@ -103,6 +103,23 @@ def queue_resume(*, name: str, actor: AbstractBaseUser) -> QueueControl:
     return control
 
 
+def queue_pauses_end_expired() -> list[str]:
+    """End the pauses whose `until` has passed as a resume ends one: the queue's waiting
+    rows (its lanes' too) renumbered in due order, audited, in one transaction with the
+    conditional update that clears the pause, so that it happens once whoever notices it
+    (every relay step starts with it, before it reads the queues' controls). The names of
+    the queues resumed."""
+    with transaction.atomic():
+        names = queues_pause_expired_end()
+        for name in names:
+            outbox_renumber_in_due_order(queues=[name, *lanes_of(name)])
+            audit_record(action="queue.resumed", by="relay",
+                         data={"queue": name, "ended_by": "until"})  # fmt: skip
+        if names:
+            notify(CHANNEL_OUTBOX)
+    return names
+
+
 _UNSET = object()
 
 
@@ -166,7 +183,7 @@ def queue_list(*, now: dt.datetime, depth=None) -> list[QueueView]:
     broker's ready count (None when it cannot say)."""
     names = [n for queue in settings.SCHEDULER_QUEUES for n in (queue, *lanes_of(queue))]
     controls = {c.name: c for c in QueueControl.objects.filter(name__in=settings.SCHEDULER_QUEUES)}
-    figures = queues_figures(queues=names, lanes=LANES)
+    figures = queues_figures(queues=names, lanes=LANES, replay_lane=REPLAY_LANE)
     views = []
     for queue in settings.SCHEDULER_QUEUES:
         control = controls.get(queue)

@@ -212,6 +212,9 @@ def run_replay_request(*, run: Run, actor: AbstractBaseUser, now: dt.datetime) -
     with transaction.atomic():
         if not run_replay(run_id=run.id):
             return False
+        # Its stamp, which sends the message to the replay lane; `run` stays the run as it
+        # was before (the audit event says what was replayed).
+        run.refresh_from_db(fields=["replayed_at"])
         outbox_enqueue_runs(runs=[run], now=now)
         audit_record(action="run.replayed", actor=actor, job_id=run.job_id, run_id=run.id,
                      data={"from_state": run.state, "failure_reason": run.failure_reason,

@@ -162,11 +162,14 @@ def runs_requeue(*, run_ids: list) -> int:
 
 def run_replay(*, run_id) -> bool:
     """failed/cancelled -> queued, with a fresh retry budget; the next claim issues the next
-    fencing token, and the idempotency key stays. The caller writes the outbox row."""
+    fencing token, and the idempotency key stays. `replayed_at` is stamped with the
+    database's now: from then on the run travels in its queue's replay lane (jobs.lanes),
+    its retries and republications too. The caller writes the outbox row."""
     return bool(
         Run.objects.filter(id=run_id, state__in=REPLAYABLE_RUN_STATES).update(
             state=RunState.QUEUED,
             updated_at=Now(),
+            replayed_at=Now(),
             retry_base=F("attempt_count"),
             republish_count=0,
             failure_reason="",
@@ -220,6 +223,33 @@ def runs_lock_to_cancel(*, run_ids: list) -> None:
             return
         except _StartedMeanwhile:
             continue
+
+
+def jobs_lock_to_cancel(*, job_ids: list) -> None:
+    """Lock what cancelling these jobs changes, in the caller's transaction, before it
+    cancels them one by one (a bulk operation's `jobs.cancel` batch): the jobs' rows in id
+    order, then every active run of them at once through runs_lock_to_cancel (attempts,
+    then runs, each in id order). Job by job, a batch held the attempt of one job's run
+    and wanted another job's, which a packed success of both runs held while it wanted
+    the first: a deadlock. The job rows come first, as the materializer takes a job before
+    its runs (it passes over a job locked here, SKIP LOCKED); once they are held no new
+    run of them starts to exist (a trigger or a backfill locks its job first)."""
+    ids = list(job_ids)
+    if not ids:
+        return
+    list(
+        Job.objects.select_for_update()
+        .filter(id__in=ids)
+        .order_by("id")
+        .values_list("id", flat=True)
+    )
+    runs_lock_to_cancel(
+        run_ids=list(
+            Run.objects.filter(job_id__in=ids, state__in=ACTIVE_RUN_STATES).values_list(
+                "id", flat=True
+            )
+        )
+    )
 
 
 def run_cancel(*, run_id, now: dt.datetime) -> bool:

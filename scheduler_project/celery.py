@@ -37,8 +37,9 @@ class Consumer(CeleryConsumer):
 @celeryd_after_setup.connect
 def consume_lanes(sender, instance, **kwargs) -> None:
     """A worker that consumes a configured queue (`-Q jobs`, or every queue without -Q)
-    consumes its lanes too (`jobs.backfill`, `jobs.manual`: jobs/lanes.py), so no command
-    line has to name them; a worker given only a lane (`-Q jobs.backfill`) keeps to it."""
+    consumes its lanes too (`jobs.backfill`, `jobs.manual`, `jobs.replay`: jobs/lanes.py),
+    so no command line has to name them; a worker given only a lane (`-Q jobs.backfill`)
+    keeps to it."""
     from django.conf import settings
 
     from jobs.lanes import lanes_of

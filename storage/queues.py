@@ -32,6 +32,23 @@ class QueueHold(NamedTuple):
     burst: float | None  # the rate's burst; None without a rate
 
 
+def queues_pause_expired_end() -> list[str]:
+    """Clear every pause whose `until` has passed on the database's clock (paused off,
+    `until` unset), in one conditional UPDATE in the caller's transaction; the names of
+    the queues it ended. Its row locks last the transaction: a second caller waits, then
+    finds those pauses cleared and ends none of them, so each pause is ended once."""
+    return [
+        row[0]
+        for row in fetch_all(
+            f"""
+            UPDATE {QUEUE_TABLE} AS q SET paused = false, paused_until = NULL
+             WHERE q.paused AND q.paused_until IS NOT NULL AND q.paused_until <= clock_timestamp()
+            RETURNING q.name
+            """
+        )
+    ]
+
+
 def queues_held() -> dict[str, QueueHold]:
     """Every queue with a control in force (paused now, a cap or a rate): one statement,
     no lock."""
@@ -192,9 +209,12 @@ class QueueFigures(NamedTuple):
     running: int
 
 
-def queues_figures(*, queues: list[str], lanes: dict[str, str]) -> dict[str, QueueFigures]:
-    """Per Celery queue (lanes are their own; `lanes`: run kind -> its lane's suffix):
-    pending outbox rows, and running runs. Counts; no lock."""
+def queues_figures(
+    *, queues: list[str], lanes: dict[str, str], replay_lane: str
+) -> dict[str, QueueFigures]:
+    """Per Celery queue (lanes are their own; `lanes`: run kind -> its lane's suffix,
+    `replay_lane`: the suffix of replayed runs' lane, whatever their kind): pending outbox
+    rows, and running runs. Counts; no lock."""
     waiting = dict(
         fetch_all(
             f"SELECT queue, count(*) FROM {OUTBOX_TABLE} WHERE state = %s AND queue = ANY(%s)"
@@ -205,12 +225,13 @@ def queues_figures(*, queues: list[str], lanes: dict[str, str]) -> dict[str, Que
     running = dict(
         fetch_all(
             f"""
-            SELECT COALESCE((v.spec->>'queue') || '.' || (%(lanes)s::jsonb->>r.kind),
+            SELECT COALESCE((v.spec->>'queue') || '.' || CASE WHEN r.replayed_at IS NOT NULL
+                                THEN %(replay)s ELSE %(lanes)s::jsonb->>r.kind END,
                             v.spec->>'queue'), count(*)
               FROM {RUN_TABLE} AS r JOIN {VERSION_TABLE} AS v ON v.id = r.job_version_id
              WHERE r.state = 'running' GROUP BY 1
             """,
-            {"lanes": json.dumps(lanes)},
+            {"lanes": json.dumps(lanes), "replay": replay_lane},
         )
     )
     return {

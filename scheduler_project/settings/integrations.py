@@ -17,7 +17,7 @@ SCHEDULER_DEFAULT_QUEUE = SCHEDULER_QUEUES[0]
 CELERY_TASK_DEFAULT_QUEUE = SCHEDULER_DEFAULT_QUEUE
 # "quorum" on a RabbitMQ cluster; every queue, the default one and those jobs name, alike.
 SCHEDULER_QUEUE_TYPE = env.SCHEDULER_QUEUE_TYPE
-# Each configured queue with its lanes (jobs/lanes.py: `<queue>.backfill`, `<queue>.manual`).
+# Each configured queue with its lanes (jobs/lanes.py: `<queue>.backfill`, `.manual`, `.replay`).
 CELERY_TASK_QUEUES = [
     Queue(
         name,

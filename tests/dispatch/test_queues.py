@@ -29,12 +29,13 @@ def test_rates_parse_to_a_rate_a_second_and_a_one_second_burst():
 def test_lanes_belong_to_their_queue():
     assert queue_of_lane("jobs.backfill") == "jobs"
     assert queue_of_lane("jobs.manual") == "jobs"
+    assert queue_of_lane("jobs.replay") == "jobs"
     assert queue_of_lane("jobs") == "jobs"
 
 
 def test_operators_pause_resume_and_limit_a_queue(operator_api, operator, api):
     listed = operator_api.get("/api/v1/queues/").json()["results"]
-    assert [q["name"] for q in listed] == ["jobs", "jobs.backfill", "jobs.manual"]
+    assert [q["name"] for q in listed] == ["jobs", "jobs.backfill", "jobs.manual", "jobs.replay"]
     assert not listed[0]["paused"] and listed[0]["max_running"] is None
     assert api.get("/api/v1/queues/").status_code == 403
     assert api.post("/api/v1/queues/jobs/pause/", {}, format="json").status_code == 403
@@ -167,3 +168,26 @@ def test_pausing_a_queue_tells_the_webhooks_that_asked_once(operator_api, user):
     assert delivery.event == "queue.paused"
     assert delivery.data["queue"] == {"name": "jobs", "reason": "db migration",
                                       "until": None}  # fmt: skip
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_pause_ended_by_its_until_is_ended_once_by_two_relays_at_once(operator):
+    """Two relays notice the same expired pause at once: the second waits for the first's
+    conditional update, then finds nothing to end (one resume, one renumbering)."""
+    from jobs.clock import db_now
+    from jobs.queues import queue_pause, queue_pauses_end_expired
+    from storage.queues import queues_pause_expired_end
+    from tests.threads import in_thread, wait_for_lock_waiters
+
+    past = db_now() - dt.timedelta(seconds=1)
+    queue_pause(name="jobs", actor=operator, reason="test", until=past, now=past)
+    ended: list = []
+    errors: list = []
+    with transaction.atomic():
+        assert queues_pause_expired_end() == ["jobs"]  # the first relay, not yet committed
+        other = in_thread(lambda: ended.append(queue_pauses_end_expired()), errors)
+        wait_for_lock_waiters(1)
+    other.join(20)
+    assert errors == [] and ended == [[]]
+    assert not QueueControl.objects.get(name="jobs").paused
+    assert queue_pauses_end_expired() == []

@@ -514,3 +514,27 @@ def test_a_lost_backfill_or_manual_run_is_judged_by_its_lane_and_sent_there_agai
         backfilled.id: "jobs.backfill",
         triggered.id: "jobs.manual",
     }
+
+
+def test_a_lost_replayed_run_is_judged_by_the_replay_lane_and_sent_there_again(
+    queued_run, user, window
+):
+    """A replayed run travels in `<queue>.replay` (jobs.lanes) from its replay on: its
+    lost message is asked of that lane's depth and republished there."""
+    run = queued_run()
+    OutboxMessage.objects.filter(run=run).delete()
+    Run.objects.filter(id=run.id).update(state=RunState.FAILED, failure_reason="error")
+    run = Run.objects.select_related("job_version").get(id=run.id)
+    assert run_replay_request(run=run, actor=user, now=later(-THRESHOLD - 10)) is True
+    assert OutboxMessage.objects.get(run=run).queue == "jobs.replay"
+    publish(run, at=later(-THRESHOLD - 1))
+    asked = []
+
+    def depth(queue: str) -> int:
+        asked.append(queue)
+        return 0
+
+    result = reconcile_run_once(now=NOW, config=CONFIG, queue_depth=depth, window=window)
+    assert result.republished == 1
+    assert asked == ["jobs.replay"]
+    assert OutboxMessage.objects.get(run=run).queue == "jobs.replay"

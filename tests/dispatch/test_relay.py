@@ -558,28 +558,62 @@ def test_two_relays_never_publish_more_of_a_capped_queue_than_its_cap(make_job):
     assert OutboxMessage.objects.filter(queue="jobs").count() == 12 - 5
 
 
-def test_resume_publishes_runs_handed_back_and_runs_waiting_in_due_order(queued_run, operator):
-    """Five runs due a second apart; the 1st, 3rd and 5th were published and are handed
-    back by a paused queue (new rows, after those of the 2nd and 4th waiting): after the
-    resume the broker holds all five in due order."""
+def _handed_back_while_paused(queued_run, operator, *, until) -> list:
+    """Five runs due a second apart in a queue paused (until `until`); the 1st, 3rd and
+    5th were published and are handed back (new rows, after those of the 2nd and 4th)."""
     from django.db import transaction
 
     from dispatch.queues import queue_holds_run
-    from jobs.queues import queue_pause, queue_resume
+    from jobs.queues import queue_pause
 
     purge_queue()
     runs = [queued_run(run_at=NOW + dt.timedelta(seconds=n)) for n in range(5)]
-    queue_pause(name="jobs", actor=operator, reason="test", until=None, now=NOW)
+    queue_pause(name="jobs", actor=operator, reason="test", until=until, now=NOW)
     for run in runs[::2]:
         OutboxMessage.objects.filter(run=run).delete()  # published: in the broker
         with transaction.atomic():
             assert queue_holds_run(run_id=str(run.id))  # delivered, handed back
     by_id = list(OutboxMessage.objects.order_by("id").values_list("run_id", flat=True))
     assert by_id == [run.id for run in (*runs[1::2], *runs[::2])]
-    queue_resume(name="jobs", actor=operator)
+    return runs
+
+
+def _relay_publishes_in_due_order(runs: list) -> None:
+    """One relay step publishes all the runs, and the broker holds them in due order."""
     try:
-        assert _relay_step(NOW + dt.timedelta(seconds=10)).published == 5
+        assert _relay_step(NOW + dt.timedelta(seconds=10)).published == len(runs)
         published = [message["body"][1]["run_id"] for message in _drain_queue()]
     finally:
         purge_queue()
     assert published == [str(run.id) for run in runs]
+
+
+def test_resume_publishes_runs_handed_back_and_runs_waiting_in_due_order(queued_run, operator):
+    """Five runs due a second apart; the 1st, 3rd and 5th were published and are handed
+    back by a paused queue (new rows, after those of the 2nd and 4th waiting): after the
+    resume the broker holds all five in due order."""
+    from jobs.queues import queue_resume
+
+    runs = _handed_back_while_paused(queued_run, operator, until=None)
+    queue_resume(name="jobs", actor=operator)
+    _relay_publishes_in_due_order(runs)
+
+
+def test_a_pause_that_ends_by_its_until_publishes_in_due_order_once(queued_run, operator):
+    """As above, but the pause ends by its `until` (the database's clock): the relay's
+    step ends it, renumbering the rows as a resume does, and the broker holds all five in
+    due order; a second step ends nothing more (one audited resume)."""
+    import time
+
+    from jobs.clock import db_now
+    from jobs.models import AuditEvent, QueueControl
+    from jobs.queues import queue_pauses_end_expired
+
+    until = db_now() + dt.timedelta(seconds=3)
+    runs = _handed_back_while_paused(queued_run, operator, until=until)
+    time.sleep(max(0.0, (until - db_now()).total_seconds()) + 0.2)
+    _relay_publishes_in_due_order(runs)
+    control = QueueControl.objects.get(name="jobs")
+    assert (control.paused, control.paused_until) == (False, None)
+    assert queue_pauses_end_expired() == []
+    assert AuditEvent.objects.filter(action="queue.resumed").count() == 1

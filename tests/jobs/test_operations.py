@@ -103,12 +103,16 @@ def test_the_admin_offers_all_n_matching_with_the_count_first(client, queued_run
     assert Run.objects.filter(state=RunState.QUEUED).count() == 3
 
 
+@pytest.mark.parametrize("action", ["runs.cancel", "jobs.cancel"])
 @pytest.mark.django_db(transaction=True)
-def test_a_bulk_cancel_batch_and_a_packed_success_never_deadlock(queued_run, user, monkeypatch):
-    """Two running runs of one pack, the batch's items in the opposite order of their
-    attempts' ids. Session A (the batch) cancels the first item, then waits until session
-    B (the pack's success: its attempts locked in id order) is blocked, then goes on:
-    cancelled one by one, A held the higher attempt and wanted the lower one B holds."""
+def test_a_bulk_cancel_batch_and_a_packed_success_never_deadlock(
+    queued_run, user, monkeypatch, action
+):
+    """Two running runs of one pack (of two jobs), the batch's items (the runs, or their
+    jobs) in the opposite order of their attempts' ids. Session A (the batch) cancels the
+    first item, then waits until session B (the pack's success: its attempts locked in id
+    order) is blocked, then goes on: cancelled one by one, A held the higher attempt and
+    wanted the lower one B holds."""
     import threading
 
     from jobs import operations
@@ -118,9 +122,11 @@ def test_a_bulk_cancel_batch_and_a_packed_success_never_deadlock(queued_run, use
 
     runs = [queued_run(args=[n]) for n in range(2)]
     attempts = sorted((claim(run) for run in runs), key=lambda attempt: attempt.id)
-    operation = BulkOperation.objects.create(owner=user, action="runs.cancel", matched=2)
-    for attempt in reversed(attempts):  # the higher attempt's run first
-        BulkOperationItem.objects.create(operation=operation, target=attempt.run_id)
+    operation = BulkOperation.objects.create(owner=user, action=action, matched=2)
+    jobs = {run.id: run.job_id for run in runs}
+    for attempt in reversed(attempts):  # the higher attempt's run (or job) first
+        target = attempt.run_id if action == "runs.cancel" else jobs[attempt.run_id]
+        BulkOperationItem.objects.create(operation=operation, target=target)
     first_done = threading.Event()
     act = operations._act
 
