@@ -10,7 +10,7 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from .. import schedules
-from ..clock import db_now
+from ..clock import db_now, request_now
 from ..dependencies import GRAPH_MAX_DEPTH, DependencyCycle, dependency_graph
 from ..idempotency import Answer
 from ..models import Job, JobState
@@ -183,7 +183,7 @@ class JobListApi(APIView):
         ],
     )
     def post(self, request):
-        now = db_now()
+        now = request_now(request)
         if _dry_run(request):
             # The body as it would be stored, every default filled in; nothing written, no
             # key recorded (`schedctl apply` compares it with a job's spec).
@@ -192,13 +192,14 @@ class JobListApi(APIView):
 
         def create() -> Answer:
             spec, first = job_spec_check(request.data, now=now)
-            dependencies_check(spec=spec, visible=job_list(user=request.user))
+            dependencies_check(spec=spec, visible=lambda: job_list(user=request.user))
             try:
                 # job_create's rows, written in one statement rather than three.
                 [job] = unique_name_guard(
                     lambda: job_create_bulk(
                         owner=request.user, specs=[spec], first_fires=[first], now=now, bulk=False
-                    )
+                    ),
+                    specs=[spec],
                 )
             except ManagedNameTaken:
                 answer = managed_name_conflict(owner=request.user, name=spec["name"])
