@@ -3,6 +3,8 @@ history, and the operator's actions on a job (pause, resume, trigger, backfill, 
 
 from __future__ import annotations
 
+import threading
+
 from django.http import Http404
 from drf_spectacular.utils import OpenApiExample, extend_schema
 from rest_framework import serializers, status
@@ -94,11 +96,15 @@ class JobOutput(JobSpecSerializer):
     updated_at = serializers.DateTimeField(read_only=True)
 
     def to_representation(self, job):
-        # One JobServerFields for every job of a list: building one copies its fields.
-        server = getattr(self, "_server_fields", None)
+        # One JobServerFields per thread for every job answered: building one deep-copies
+        # its fields, which cost more than rendering a job (a creation answers one).
+        server = getattr(_server_fields, "serializer", None)
         if server is None:
-            server = self._server_fields = JobServerFields()
+            server = _server_fields.serializer = JobServerFields()
         return {**_spec_shown(job, self.context.get("viewer")), **server.to_representation(job)}
+
+
+_server_fields = threading.local()
 
 
 def _spec_shown(job: Job, viewer) -> dict:
