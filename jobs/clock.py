@@ -21,6 +21,21 @@ def db_now() -> dt.datetime:
     return clock_now()
 
 
+def request_clock_keep(request, now: dt.datetime) -> None:
+    """Keep the database's clock as a statement of `request` read it (its throttle's), for
+    request_now."""
+    request._scheduler_db_now = now
+
+
+def request_now(request) -> dt.datetime:
+    """The database's clock for a request's work: the reading its throttle's statement took
+    (a few statements earlier in the same request, never a web process's own clock), or a
+    round trip when it was not throttled. A creation is dated, and its first fire computed,
+    at that instant."""
+    now = getattr(request, "_scheduler_db_now", None)
+    return now if now is not None else db_now()
+
+
 def clock_skew_measure() -> tuple[float, dt.datetime]:
     """(this process's clock minus the database's, in seconds; the database's now): the
     database's clock against the midpoint of the round trip that read it, over the shortest

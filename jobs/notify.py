@@ -23,7 +23,13 @@ def notify(channel: str, *, at: dt.datetime | None = None) -> None:
     """Wake the listeners of `channel` when the current transaction commits. `at`: the
     instant the new work is due (the payload, ISO 8601), so that a scheduler sleeping
     until an earlier instant goes on sleeping without a query; none: look again."""
-    notification_send(channel=channel, payload=at.isoformat() if at else "")
+    notification_send(channel=channel, payload=notification(channel, at=at)[1])
+
+
+def notification(channel: str, *, at: dt.datetime | None = None) -> tuple[str, str]:
+    """notify's (channel, payload), for a statement that sends it itself
+    (storage.rows.rows_insert)."""
+    return channel, at.isoformat() if at else ""
 
 
 def notified_instant(payload: str) -> dt.datetime | None:

@@ -30,7 +30,7 @@ from .models import (
     RunState,
     WebhookEvent,
 )
-from .notify import CHANNEL_SCHEDULE, notify
+from .notify import CHANNEL_SCHEDULE, notification, notify
 from .outbox import outbox_discard_pending, outbox_enqueue_runs
 from .schedules import job_first_fire, job_next_fire, job_resume_point
 from .transitions import (
@@ -151,7 +151,9 @@ def job_create_bulk(
     ]  # fmt: skip
     naming = [job for job in jobs if job.spec.get("calendars")]
     job_calendars_check(jobs=naming)
+    firsts = [job.next_run_at for job in jobs if job.next_run_at is not None]
     with transaction.atomic(savepoint=False):
+        # The scheduler's wake-up rides in the insert's statement (delivered on commit).
         rows_insert(groups=[
             jobs,
             [JobVersion(job=job, version=job.version, spec=job.spec, created_by=owner)
@@ -159,14 +161,11 @@ def job_create_bulk(
             [audit_event(action="job.created", actor=owner, job_id=job.id,
                          data={"version": job.version, **({"bulk": True} if bulk else {})})
              for job in jobs],
-        ])  # fmt: skip
+        ], notify=notification(CHANNEL_SCHEDULE, at=min(firsts)) if firsts else None)  # fmt: skip
         job_calendars_link(jobs=naming)
         for job in jobs:
             if is_dependent(job.spec):  # a new job: nothing depends on it, so no cycle
                 dependency_edges_write(job_id=job.id, spec=job.spec, check_cycle=False)
-        firsts = [job.next_run_at for job in jobs if job.next_run_at is not None]
-        if firsts:
-            notify(CHANNEL_SCHEDULE, at=min(firsts))
     return jobs
 
 

@@ -25,6 +25,8 @@ from rest_framework.throttling import ScopedRateThrottle, SimpleRateThrottle, Us
 
 from storage.throttle import throttle_hit
 
+from .clock import request_clock_keep
+
 
 class SharedWindowThrottle(SimpleRateThrottle):
     """DRF's rate parsing and keys, counted with `storage.throttle.throttle_hit` instead of a
@@ -39,6 +41,7 @@ class SharedWindowThrottle(SimpleRateThrottle):
         if key is None:
             return True
         hit = throttle_hit(key=key, window_seconds=self.duration)
+        request_clock_keep(request, hit.read_at)
         allowed = hit.hits <= self.num_requests
         self._wait = None if allowed else hit.retry_after
         return allowed

@@ -27,14 +27,18 @@ def _plain(value):
     raise TypeError(f"{type(value).__name__} is not a column value rows_insert knows")
 
 
-def rows_insert(*, groups: Sequence[Sequence[models.Model]]) -> None:
+def rows_insert(
+    *, groups: Sequence[Sequence[models.Model]], notify: tuple[str, str] | None = None
+) -> None:
     """Insert each group's objects (each group of one model) as new rows, defaults and
     auto_now fields applied as bulk_create would; all groups in one statement (the first
     groups in data-modifying CTEs: one round trip; foreign keys are checked at commit,
     Django's constraints being deferred). A database-generated primary key is not read back
     (the objects keep pk None): for rows, such as versions and audit events, that nothing
     refers to by id afterwards. Runs in the caller's transaction; takes the new rows' locks
-    (and a unique index's, which makes a concurrent insert of the same key wait)."""
+    (and a unique index's, which makes a concurrent insert of the same key wait).
+    `notify`: a (channel, payload) queued in the same statement, as
+    storage.notify.notification_send queues it (delivered when the transaction commits)."""
     groups = tuple(group for group in groups if group)
     if not groups:
         return
@@ -51,6 +55,9 @@ def rows_insert(*, groups: Sequence[Sequence[models.Model]]) -> None:
             f"FROM jsonb_populate_recordset(NULL::{table}, %s::jsonb)"
         )
         params.append(json.dumps(rows, default=_plain))
+    if notify is not None:  # a data-modifying CTE runs whether read or not
+        inserts.append("SELECT pg_notify(%s, %s)")
+        params.extend(notify)
     ctes = ", ".join(f"r{index} AS ({sql})" for index, sql in enumerate(inserts[:-1]))
     execute((f"WITH {ctes} " if ctes else "") + inserts[-1], params)
     for group in groups:

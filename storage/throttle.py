@@ -16,6 +16,7 @@ KEY_MAX_CHARS = 200
 class ThrottleHit(NamedTuple):
     hits: int  # counted in the key's current window so far, this one included
     retry_after: float  # seconds until that window ends, on the database's clock
+    read_at: dt.datetime  # the database's clock as the statement read it (UTC)
 
 
 def throttle_hit(*, key: str, window_seconds: int) -> ThrottleHit:
@@ -49,10 +50,11 @@ def throttle_hit(*, key: str, window_seconds: int) -> ThrottleHit:
                        THEN counted.window_ends_at ELSE excluded.window_ends_at END
                RETURNING hits, window_ends_at
            )
-           SELECT hits, extract(epoch FROM window_ends_at - read_at)::float8 FROM hit, clock""",
+           SELECT hits, extract(epoch FROM window_ends_at - read_at)::float8, read_at
+           FROM hit, clock""",
         {"key": key[:KEY_MAX_CHARS], "length": window_seconds},
     )
-    return ThrottleHit(hits=row[0], retry_after=row[1])
+    return ThrottleHit(hits=row[0], retry_after=row[1], read_at=row[2].astimezone(dt.UTC))
 
 
 def throttle_windows_delete_ended(*, now: dt.datetime, limit: int) -> int:

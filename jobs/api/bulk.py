@@ -12,7 +12,7 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from ..calendar_services import job_calendar_refusals
-from ..clock import db_now
+from ..clock import request_now
 from ..idempotency import (
     MAX_KEY_LENGTH,
     idempotency_claim,
@@ -128,9 +128,9 @@ class JobBulkApi(APIView):
             return _bulk_problem(
                 f"At most {BULK_MAX_JOBS} jobs per request, not {len(request.data)}."
             )
-        now = db_now()
+        now = request_now(request)
         specs, firsts, keys, errors = _bulk_items(
-            request.data, now=now, visible=job_list(user=request.user)
+            request.data, now=now, visible=lambda: job_list(user=request.user)
         )
         refusals = job_calendar_refusals(owned=[(request.user.pk, spec) for spec in specs])
         for index, refusal in enumerate(refusals):
@@ -163,7 +163,8 @@ class JobBulkApi(APIView):
                         specs=[specs[index] for index in fresh],
                         first_fires=[firsts[index] for index in fresh],
                         now=now,
-                    )
+                    ),
+                    specs=[specs[index] for index in fresh],
                 )
             except ManagedNameTaken:
                 transaction.set_rollback(True)

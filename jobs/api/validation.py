@@ -538,13 +538,17 @@ def backfill_instants(*, job, start: dt.datetime, end: dt.datetime) -> list[dt.d
 
 def dependencies_check(*, spec: dict, visible, job_id=None) -> None:
     """Refuse (ValidationError on `schedule.jobs`) an `after` schedule naming a job the
-    caller cannot see (`visible`: the queryset of those it can; a job that does not exist
-    is refused in the same words, so the answer tells nothing about others' jobs), or one
-    that would close a cycle through `job_id` (the job being edited). The service checks
-    cycles again under the graph's lock (jobs.dependencies.dependency_edges_write)."""
+    caller cannot see (`visible`: the queryset of those it can, or a function returning it,
+    called only for a spec that names upstreams: deciding what a user sees costs a
+    statement; a job that does not exist is refused in the same words, so the answer tells
+    nothing about others' jobs), or one that would close a cycle through `job_id` (the job
+    being edited). The service checks cycles again under the graph's lock
+    (jobs.dependencies.dependency_edges_write)."""
     upstreams = dependencies.dependency_upstream_ids(spec)
     if not upstreams:
         return
+    if callable(visible):
+        visible = visible()
     seen = set(visible.filter(id__in=upstreams).values_list("id", flat=True))
     unseen = [str(upstream) for upstream in upstreams if upstream not in seen]
     if unseen:

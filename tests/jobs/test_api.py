@@ -310,6 +310,29 @@ def test_a_retry_answers_the_first_answer_where_doing_it_again_would_fail(api, s
     assert IdempotencyRecord.objects.get(key="k-q").response_status == 201
 
 
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize(("headers", "expected"), [
+    ({"HTTP_IDEMPOTENCY_KEY": "k-count"}, 6),  # token, throttle, BEGIN, rows, key, COMMIT
+    ({}, 5),  # token, throttle, BEGIN, the rows (and their notification), COMMIT
+])  # fmt: skip
+def test_a_creation_takes_a_pinned_number_of_statements(api, headers, expected):
+    """POST /jobs/ in its own transactions, as in production: the statements of one
+    creation are counted so that a round trip added to the hot path is a decision (the
+    clock is the throttle's reading; the operators' group is read only for a spec naming
+    upstreams; no savepoint without a managed-by label; the notification rides in the
+    insert)."""
+    from django.db import connection
+    from django.test.utils import CaptureQueriesContext
+
+    create(api, name="first")  # the owner's quota count, reused for a second
+    with CaptureQueriesContext(connection) as statements:
+        response = api.post(JOBS, job_body(), format="json", **headers)
+    assert response.status_code == 201
+    shown = [statement["sql"][:60] for statement in statements.captured_queries]
+    assert len(shown) == expected, shown
+    assert Job.objects.filter(name="nightly report").count() == 1
+
+
 def test_same_key_other_body_is_409_and_creates_nothing(api):
     api.post(JOBS, job_body(), format="json", HTTP_IDEMPOTENCY_KEY="k-1")
     response = api.post(JOBS, job_body(name="other"), format="json", HTTP_IDEMPOTENCY_KEY="k-1")
