@@ -222,7 +222,7 @@ def load(*, jobs: int, backlog: int, running: int) -> dict:
     )  # fmt: skip
     once = validated_spec(
         {"name": "once", "task": "tests.record", "queue": BACKLOG_QUEUE,
-         "schedule": {"kind": "once", "run_at": "2100-01-01T00:00:00+00:00"}}
+         "schedule": {"kind": "once", "run_at": "2035-01-01T00:00:00+00:00"}}
     )  # fmt: skip
     seconds = {}
     began = time.monotonic()
@@ -443,7 +443,7 @@ def iteration(*, database: str, serial: Serial, timer: StepTimer, args) -> dict:
     first, last = serial.take(database, args.due)
     once = validated_spec(
         {"name": "due", "task": "tests.record",
-         "schedule": {"kind": "once", "run_at": "2100-01-01T00:00:00+00:00"}}
+         "schedule": {"kind": "once", "run_at": "2035-01-01T00:00:00+00:00"}}
     )  # fmt: skip
     insert_jobs(first=first, last=last, name="due", spec=once, due="now()",
                 next_run_at="due", spec_sql="""jsonb_set(spec, '{schedule,run_at}',

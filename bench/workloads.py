@@ -277,7 +277,7 @@ def insert_future_jobs(count: int, *, days: float = 30.0) -> float:
         {
             "name": "future",
             "task": "tests.record",
-            "schedule": {"kind": "once", "run_at": "2100-01-01T00:00:00+00:00"},
+            "schedule": {"kind": "once", "run_at": "2035-01-01T00:00:00+00:00"},
         }
     )
     job, version, audit = Job._meta.db_table, JobVersion._meta.db_table, AuditEvent._meta.db_table
