@@ -97,7 +97,13 @@ class Job(models.Model):
 
     class Meta:
         indexes = [
-            models.Index(fields=["next_run_at"], name="job_due_idx", condition=Q(state="active")),
+            # Only jobs with a next fire: a job whose schedule is over (next_run_at NULL,
+            # awaiting completion) is found by its primary key, never by a walk of this.
+            models.Index(
+                fields=["next_run_at"],
+                name="job_due_idx",
+                condition=Q(state="active", next_run_at__isnull=False),
+            ),
             models.Index(fields=["owner", "created_at"], name="job_owner_idx"),
             # Jobs whose schedule is over and that are not completed yet: the completer's
             # safety net reads these only (dispatch.completer).

@@ -5,6 +5,7 @@ called by the trigger in the statement that ends a run and by the completer's sa
 from __future__ import annotations
 
 import datetime as dt
+import re
 import threading
 import time
 
@@ -179,3 +180,31 @@ def test_a_run_committed_while_the_ending_statement_waited_keeps_the_job_active(
     assert Run.objects.get(id=first.id).state == RunState.SUCCEEDED
     assert Job.objects.get(id=job.id).state == JobState.ACTIVE
     assert completions(job) == 0
+
+
+@pytest.mark.django_db
+def test_the_completion_reads_its_job_by_primary_key_under_the_generic_plan(user):
+    """The rule's job lock, as the installed function runs it (a generic plan, cached for
+    the connection's life), is a primary key probe, and no other index of jobs_job can
+    serve its `next_run_at IS NULL`. When job_due_idx held the jobs awaiting completion
+    too, a connection that planned the lock on a table that never had a row walked it
+    through all of them: a burst of N one-time jobs cost N² index reads to complete."""
+    from django.db import connection
+
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT pg_get_indexdef('job_due_idx'::regclass)")
+        assert "next_run_at IS NOT NULL" in cursor.fetchone()[0]
+        cursor.execute(
+            "SELECT pg_get_functiondef('scheduler_job_complete_if_finished(uuid, timestamptz)'"
+            "::regprocedure)"
+        )
+        (body,) = cursor.fetchone()
+        lock = re.search(r"PERFORM (1 FROM jobs_job.*?SKIP LOCKED);", body, re.S).group(1)
+        cursor.execute("SET LOCAL plan_cache_mode = force_generic_plan")
+        cursor.execute(f"PREPARE job_lock(uuid) AS SELECT {lock.replace('p_job_id', '$1')}")
+        try:
+            cursor.execute("EXPLAIN EXECUTE job_lock('00000000-0000-0000-0000-000000000000')")
+            plan = "\n".join(row[0] for row in cursor.fetchall())
+        finally:
+            cursor.execute("DEALLOCATE job_lock")
+    assert "Index Cond: (id = $1)" in plan, plan
