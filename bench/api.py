@@ -42,7 +42,7 @@ import uuid
 from collections import Counter
 from pathlib import Path
 
-from bench.common import ROOT, bench_environment
+from bench.common import ROOT, bench_environment, cpu_seconds, database_backends
 
 BODY = {
     "task": "tests.record",
@@ -122,18 +122,6 @@ def _bulk_client(port: int, token: str, requests: int, size: int, keys: bool):
     return statuses
 
 
-def _cpu_seconds(pids) -> dict[int, float]:
-    """user + system CPU seconds of each live process (Linux /proc)."""
-    ticks, seconds = os.sysconf("SC_CLK_TCK"), {}
-    for pid in pids:
-        try:
-            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        seconds[pid] = (int(fields[11]) + int(fields[12])) / ticks
-    return seconds
-
-
 class CpuMeter:
     """CPU seconds spent by the web workers and by the database's backends for this
     database: a figure the machine's other load disturbs much less than jobs/s."""
@@ -143,21 +131,13 @@ class CpuMeter:
         self.start = self._read()
 
     def _pids(self) -> tuple[list[int], list[int]]:
-        from django.db import connection
-
         children = Path(f"/proc/{self.server_pid}/task/{self.server_pid}/children")
         web = [self.server_pid, *map(int, children.read_text().split())]
-        with connection.cursor() as cursor:
-            cursor.execute(
-                "SELECT pid FROM pg_stat_activity WHERE datname = %s AND pid <> pg_backend_pid()",
-                [self.database],
-            )
-            database = [row[0] for row in cursor.fetchall()]
-        return web, database
+        return web, database_backends(self.database)
 
     def _read(self) -> tuple[dict, dict]:
         web, database = self._pids()
-        return _cpu_seconds(web), _cpu_seconds(database)
+        return cpu_seconds(web), cpu_seconds(database)
 
     def spent(self) -> tuple[float, float]:
         """(web, database) CPU seconds since the meter started."""

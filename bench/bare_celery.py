@@ -72,6 +72,8 @@ def bare_celery_burst(
     """Publish `tasks` no-ops at once to running workers; the last start after the first
     publish (seconds, the drain time) and the start rate between the first and the last
     start (tasks/s)."""
+    from bench.common import RoleCpu
+
     record = workdir / "bare-starts.txt"
     # Without DJANGO_SETTINGS_MODULE: Celery's Django fix-up would set Django up per worker.
     env = {k: v for k, v in os.environ.items() if k != "DJANGO_SETTINGS_MODULE"}
@@ -97,11 +99,13 @@ def bare_celery_burst(
             noop.apply_async()
         _wait_for(record, workers * concurrency * 2, timeout=120)
         record.unlink()
+        cpu = RoleCpu({"worker": [process.pid for process in processes]}, database=None)
         first_publish = time.time()
         for _ in range(tasks):
             noop.apply_async()
         published = time.time()
         starts = _wait_for(record, tasks, timeout=600)
+        spent = cpu.spent()
         span = max(starts) - min(starts)
         return {
             "tasks": tasks,
@@ -109,6 +113,7 @@ def bare_celery_burst(
             "publish_seconds": published - first_publish,
             "last_start": max(starts) - first_publish,
             "throughput": (len(starts) - 1) / max(span, 1e-9),
+            "cpu_seconds": spent,
         }
     finally:
         for process in processes:

@@ -107,6 +107,92 @@ def summary(values: list[float]) -> dict:
     }
 
 
+def cpu_seconds(pids) -> dict[int, float]:
+    """user + system CPU seconds of each live process (Linux /proc)."""
+    ticks, seconds = os.sysconf("SC_CLK_TCK"), {}
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        seconds[pid] = (int(fields[11]) + int(fields[12])) / ticks
+    return seconds
+
+
+def process_tree(pid: int) -> list[int]:
+    """`pid` and its live descendants (a prefork worker's pool, gunicorn's workers)."""
+    found, todo = [], [pid]
+    while todo and len(found) < 1000:
+        current = todo.pop()
+        found.append(current)
+        with contextlib.suppress(OSError):
+            for task in Path(f"/proc/{current}/task").iterdir():
+                todo.extend(map(int, (task / "children").read_text().split()))
+    return found
+
+
+def _broker_pids() -> list[int]:
+    """RabbitMQ's Erlang VM on this machine (shared by every vhost: what it spends in a
+    measurement's window is counted as the measurement's)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError):
+                if (entry / "comm").read_text().strip() == "beam.smp":
+                    pids.append(int(entry.name))
+    return pids
+
+
+def database_backends(database: str, *, by_application: bool = False):
+    """The PostgreSQL backends connected to `database`, but this process's own: their pids,
+    or {application_name: pids} (the Stack names each process's connections by its role)."""
+    from django.db import connection
+
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT pid, application_name FROM pg_stat_activity "
+            "WHERE datname = %s AND pid <> pg_backend_pid()",
+            [database],
+        )
+        rows = cursor.fetchall()
+    if not by_application:
+        return [pid for pid, _ in rows]
+    found: dict[str, list[int]] = {}
+    for pid, application in rows:
+        found.setdefault(application or "other", []).append(pid)
+    return found
+
+
+class RoleCpu:
+    """CPU seconds spent per role (the processes under each root pid, the database's
+    backends, the broker, this process) between `__init__` and `spent()`: the work a
+    measurement costs, which the machine's other load disturbs much less than its time. A
+    backend or pool process that exits in between takes its seconds with it."""
+
+    def __init__(self, roots: dict[str, list[int]], database: str | None) -> None:
+        self.roots, self.database = roots, database
+        self.start = self._read()
+
+    def _read(self) -> dict[str, dict[int, float]]:
+        pids = {role: [p for root in roots for p in process_tree(root)]
+                for role, roots in self.roots.items()}  # fmt: skip
+        if self.database:
+            for application, backends in database_backends(
+                self.database, by_application=True
+            ).items():
+                pids[f"database ({application})"] = backends
+        pids["broker"] = _broker_pids()
+        pids["bench"] = [os.getpid()]
+        return {role: cpu_seconds(role_pids) for role, role_pids in pids.items()}
+
+    def spent(self) -> dict[str, float]:
+        spent = {}
+        for role, after in self._read().items():
+            before = self.start.get(role, {})
+            spent[role] = round(sum(s - before.get(pid, 0.0) for pid, s in after.items()), 3)
+        return spent
+
+
 # -- the product's processes --------------------------------------------------------------
 
 
@@ -121,7 +207,15 @@ class Stack:
     def _start(self, name: str, argv: list[str], **extra_env: str) -> subprocess.Popen:
         log = open(self.workdir / f"{self.label}-{name}.log", "ab")  # noqa: SIM115
         process = subprocess.Popen(
-            argv, env={**self.env, **extra_env}, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT
+            argv,
+            env={
+                **self.env,
+                "SCHEDULER_DB_APPLICATION_NAME": name.rstrip("0123456789"),
+                **extra_env,
+            },
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            cwd=ROOT,
         )
         log.close()
         self.processes.append((name, process))
@@ -191,6 +285,13 @@ class Stack:
                 if process.poll() is not None or time.monotonic() > deadline:
                     raise SystemExit(f"{name} did not start: see {path}")
                 time.sleep(0.1)
+
+    def roles(self) -> dict[str, list[int]]:
+        """Root pids by role (scheduler, relay, worker, web)."""
+        roles: dict[str, list[int]] = {}
+        for name, process in self.processes:
+            roles.setdefault(name.rstrip("0123456789"), []).append(process.pid)
+        return roles
 
     def check_alive(self) -> None:
         for name, process in self.processes:

@@ -129,6 +129,7 @@ def rows(name: str, r: dict) -> list[tuple[str, str, str, str, str]]:
              fmt(r["throughput_ratio"], "x"), ">= 0.9x"),
         ]  # fmt: skip
         out += _stage_rows(r["stages"])
+        out += _cpu_rows(r.get("cpu_seconds"), b.get("cpu_seconds"))
         out.append(_integrity_row("W1", r))
         return out
     if name == "w2":
@@ -194,6 +195,24 @@ def _stage_rows(stages: dict) -> list[tuple]:
         (f"  {stage} p50 / p99", f"{fmt(s['p50'])} / {fmt(s['p99'])}", "", "", "")
         for stage, s in stages.items()
     ]
+
+
+def _cpu_rows(product: dict | None, bare: dict | None) -> list[tuple]:
+    """CPU seconds from the burst's creation to its last run's end (bare Celery: from the
+    first publish to the last start), all roles, then each."""
+    if not product:
+        return []
+    bare = bare or {}
+    total, bare_total = sum(product.values()), sum(bare.values()) if bare else None
+    out = [("CPU seconds, every process", fmt(total, "s"), fmt(bare_total, "s"),
+            fmt(_ratio(total, bare_total), "x"), "")]  # fmt: skip
+    for role in sorted(set(product) | set(bare)):
+        out.append((f"  CPU {role}", fmt(product.get(role), "s"), fmt(bare.get(role), "s"), "", ""))
+    return out
+
+
+def _ratio(a, b):
+    return a / b if a is not None and b else None
 
 
 def _integrity_row(label: str, r: dict) -> tuple[str, str, str, str, str]:

@@ -14,6 +14,7 @@ import time
 
 from bench.bare_celery import bare_celery_burst
 from bench.common import (
+    RoleCpu,
     Stack,
     bench_owner,
     bench_owners,
@@ -152,10 +153,13 @@ def burst(args, env: dict, workdir, *, jobs: int, label: str, fresh: bool = True
                                        bulk_size=args.bulk_size, min_lead=args.lead)  # fmt: skip
         else:
             due = create_due_burst(label, jobs, min_lead=args.lead, owners=owners)
+        cpu = RoleCpu(stack.roles(), env["DATABASE_URL"].rsplit("/", 1)[1])
         finished = _wait_finished(stack, warmups + jobs, timeout=args.timeout)
+        spent = cpu.spent()
         time.sleep(1.0)  # a late duplicate delivery would be counted in this second
     figures = burst_figures(label, due)
     figures["timed_out"] = not finished
+    figures["cpu_seconds"] = spent
     return figures
 
 
