@@ -125,8 +125,12 @@ def process_tree(pid: int) -> list[int]:
     while todo and len(found) < 1000:
         current = todo.pop()
         found.append(current)
-        with contextlib.suppress(OSError):
-            for task in Path(f"/proc/{current}/task").iterdir():
+        try:
+            tasks = list(Path(f"/proc/{current}/task").iterdir())
+        except OSError:  # exited
+            continue
+        for task in tasks:
+            with contextlib.suppress(OSError):  # a thread that has just exited
                 todo.extend(map(int, (task / "children").read_text().split()))
     return found
 

@@ -94,6 +94,10 @@ def median_tree(results: list, key: str = ""):
     keeping the shape of one result (lists, such as W2's boundaries, are kept from the
     first repetition; the JSON holds every repetition)."""
     first = results[0]
+    if key == "cpu_seconds" and all(isinstance(r, dict) for r in results):
+        # A role (a connection of psql or autovacuum) can be absent from a repetition: 0 s.
+        roles = sorted({role for r in results for role in r})
+        return {role: statistics.median(r.get(role, 0.0) for r in results) for role in roles}
     if isinstance(first, dict):
         return {k: median_tree([r.get(k) if r else None for r in results], k) for k in first}
     numbers = [r for r in results if isinstance(r, int | float) and not isinstance(r, bool)]
@@ -198,8 +202,8 @@ def _stage_rows(stages: dict) -> list[tuple]:
 
 
 def _cpu_rows(product: dict | None, bare: dict | None) -> list[tuple]:
-    """CPU seconds from the burst's creation to its last run's end (bare Celery: from the
-    first publish to the last start), all roles, then each."""
+    """CPU seconds from the end of the burst's creation to its last run's end (bare Celery:
+    from the first publish to the last start), all roles, then each."""
     if not product:
         return []
     bare = bare or {}
