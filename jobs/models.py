@@ -17,7 +17,8 @@ from django.utils import timezone
 
 class JobState(models.TextChoices):
     """A job's lifecycle; each comment names what moves a job out of the state (every move
-    is a function of `jobs.transitions`). `active` jobs with a next fire are found through `job_due_idx`."""
+    is a function of `jobs.transitions`). `active` jobs with a next fire are found through
+    `job_due_idx`."""
 
     ACTIVE = "active"  # pause, cancel (services); the completer once its schedule is over
     PAUSED = "paused"  # resume, cancel (services)
