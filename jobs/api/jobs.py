@@ -63,7 +63,9 @@ CREATE_SCOPE = "jobs.create"
 
 class JobServerFields(serializers.Serializer):
     id = serializers.UUIDField()
-    owner = serializers.CharField(source="owner.get_username")
+    # A method field: a `source` naming a method is looked at with inspect.signature for
+    # every job rendered.
+    owner = serializers.SerializerMethodField()
     state = serializers.CharField()
     # A job read without its last outcome (one just created) has none yet.
     last_run_state = serializers.CharField(allow_null=True, default=None)
@@ -72,6 +74,9 @@ class JobServerFields(serializers.Serializer):
     next_run_at = serializers.DateTimeField(allow_null=True)
     created_at = serializers.DateTimeField()
     updated_at = serializers.DateTimeField()
+
+    def get_owner(self, job) -> str:
+        return job.owner.get_username()
 
 
 class JobOutput(JobSpecSerializer):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 import datetime as dt
 import functools
 import json
@@ -14,6 +13,7 @@ from django.utils import timezone
 from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
+from rest_framework.fields import SkipField, empty
 
 from .. import dependencies, schedules
 from ..registry import registered_task_names, task_arguments_problem
@@ -45,14 +45,77 @@ def json_problem(value) -> str | None:
 
 
 class StrictSerializer(serializers.Serializer):
-    """Refuses keys it does not know, so a typo is an error rather than a silent default."""
+    """Refuses keys it does not know, so a typo is an error rather than a silent default.
+
+    A field left out of the data takes its default without DRF's per-field validation:
+    what that validation gives a left-out field never changes (`_left_out_values`), and
+    most of a job body's fields are usually left out (a bulk creation validates a
+    thousand bodies)."""
+
+    _given = None  # the keys of the data being validated, while it is
 
     def to_internal_value(self, data):
-        if isinstance(data, dict):
-            unknown = sorted(set(data) - set(self.fields))
-            if unknown:
-                raise serializers.ValidationError({key: ["Unknown field."] for key in unknown})
-        return super().to_internal_value(data)
+        if not isinstance(data, dict) or getattr(self.root, "partial", False):
+            return super().to_internal_value(data)
+        unknown = sorted(set(data) - set(self.fields))
+        if unknown:
+            raise serializers.ValidationError({key: ["Unknown field."] for key in unknown})
+        self._given = data.keys()
+        try:
+            validated = super().to_internal_value(data)
+        finally:
+            self._given = None
+        left_out = _left_out_values(self)
+        if not left_out.keys() - data.keys():
+            return validated
+        ordered = {}  # in the fields' order, as DRF returns them
+        for name in self.fields:
+            if name in validated:
+                ordered[name] = validated[name]
+            elif name in left_out and name not in data:
+                value = left_out[name]
+                ordered[name] = type(value)() if isinstance(value, list | dict) else value
+        for key, value in validated.items():  # none expected: every source is its name
+            ordered.setdefault(key, value)
+        return ordered
+
+    @property
+    def _writable_fields(self):
+        left_out = _left_out_values(self) if self._given is not None else {}
+        for field in self.fields.values():
+            if field.read_only or (field.field_name in left_out and
+                                   field.field_name not in self._given):  # fmt: skip
+                continue
+            yield field
+
+
+def _left_out_values(serializer: serializers.Serializer) -> dict:
+    """Field name -> the value DRF's validation gives the field when the data leaves it out,
+    for the fields where that is a constant (a scalar, or an empty list or dict), worked
+    out once per class: not a field that is required, has no default, takes its default
+    from the context, has a `validate_<name>` method (which may read settings) or another
+    source than its name."""
+    cls = type(serializer)
+    known = _left_out_cache.get(cls)
+    if known is not None:
+        return known
+    known = {}
+    for name, field in serializer.fields.items():
+        if (field.read_only or field.source != name or field.default is empty
+                or getattr(field.default, "requires_context", False)
+                or hasattr(serializer, f"validate_{name}")):  # fmt: skip
+            continue
+        try:
+            value = field.run_validation(empty)
+        except (serializers.ValidationError, SkipField):
+            continue
+        if value is None or isinstance(value, str | int | float | bool) or value in ([], {}):
+            known[name] = value
+    _left_out_cache[cls] = known
+    return known
+
+
+_left_out_cache: dict[type, dict] = {}
 
 
 class StrictIntegerField(serializers.IntegerField):
@@ -307,10 +370,13 @@ class JobSpecSerializer(StrictSerializer):
         # An omitted policy is stored whole, with its defaults, in the job's version.
         for field, serializer in self.NESTED_DEFAULTS.items():
             if not attrs[field]:
-                # A deep copy: the cached defaults are shared by every body in the process.
-                attrs[field] = copy.deepcopy(_defaults_of(serializer))
+                # A copy: the cached defaults are shared by every body in the process (their
+                # values are scalars: `_defaults_of`).
+                attrs[field] = dict(_defaults_of(serializer))
         limit = settings.SCHEDULER_MAX_PAYLOAD_BYTES
         for field in ("args", "kwargs"):
+            if not attrs[field]:  # [] or {}: nothing to look into, 2 bytes
+                continue
             problem = json_problem(attrs[field])
             if problem:
                 raise serializers.ValidationError({field: [problem]})
@@ -469,8 +535,11 @@ def job_spec_check(data, *, now: dt.datetime) -> tuple[dict, dt.datetime]:
 @functools.cache
 def _defaults_of(serializer_class) -> dict:
     """A nested policy's defaults, validated once (its fields are constants), not once per
-    body: a serializer's construction copies all its fields."""
-    return dict(serializer_class().run_validation({}))
+    body: a serializer's construction copies all its fields. Scalars only, so that a
+    shallow copy of them is a copy (JobSpecSerializer.validate)."""
+    defaults = dict(serializer_class().run_validation({}))
+    assert all(isinstance(v, str | int | float | bool | None) for v in defaults.values())
+    return defaults
 
 
 def job_patched_spec(*, spec: dict, patch) -> dict:
