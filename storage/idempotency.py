@@ -53,6 +53,7 @@ def idempotency_record_insert_answered(
             f"INSERT INTO jobs_idempotencyrecord ({_COLUMNS}) "
             "VALUES (%s, %s, %s, %s, %s, %s, %s) ON CONFLICT DO NOTHING RETURNING 1",
             [owner_id, scope, key, request_hash, status, json.dumps(body), now],
+            prepared=True,  # every keyed creation
         )
         is not None
     )

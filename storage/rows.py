@@ -59,7 +59,8 @@ def rows_insert(
         inserts.append("SELECT pg_notify(%s, %s)")
         params.extend(notify)
     ctes = ", ".join(f"r{index} AS ({sql})" for index, sql in enumerate(inserts[:-1]))
-    execute((f"WITH {ctes} " if ctes else "") + inserts[-1], params)
+    # Prepared: its text is the same for every creation of the same groups' models.
+    execute((f"WITH {ctes} " if ctes else "") + inserts[-1], params, prepared=True)
     for group in groups:
         for obj in group:
             obj._state.adding = False

@@ -8,21 +8,34 @@ import psycopg
 from django.db import connection
 
 
-def execute(statement: str, params: Sequence[Any] | dict[str, Any] = ()) -> int:
+def _cursor(prepared: bool):
+    """Django's cursor, or with `prepared` a statement prepared once per connection
+    (`prepared_cursor`): for a statement run on every request or every run, whose parse
+    and plan cost the database more than its execution."""
+    return prepared_cursor() if prepared else connection.cursor()
+
+
+def execute(
+    statement: str, params: Sequence[Any] | dict[str, Any] = (), *, prepared: bool = False
+) -> int:
     """Run one statement; the number of rows it changed."""
-    with connection.cursor() as cursor:
+    with _cursor(prepared) as cursor:
         cursor.execute(statement, params)
         return cursor.rowcount
 
 
-def fetch_all(statement: str, params: Sequence[Any] | dict[str, Any] = ()) -> list[tuple]:
-    with connection.cursor() as cursor:
+def fetch_all(
+    statement: str, params: Sequence[Any] | dict[str, Any] = (), *, prepared: bool = False
+) -> list[tuple]:
+    with _cursor(prepared) as cursor:
         cursor.execute(statement, params)
         return cursor.fetchall()
 
 
-def fetch_one(statement: str, params: Sequence[Any] | dict[str, Any] = ()) -> tuple | None:
-    with connection.cursor() as cursor:
+def fetch_one(
+    statement: str, params: Sequence[Any] | dict[str, Any] = (), *, prepared: bool = False
+) -> tuple | None:
+    with _cursor(prepared) as cursor:
         cursor.execute(statement, params)
         return cursor.fetchone()
 

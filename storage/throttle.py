@@ -53,6 +53,7 @@ def throttle_hit(*, key: str, window_seconds: int) -> ThrottleHit:
            SELECT hits, extract(epoch FROM window_ends_at - read_at)::float8, read_at
            FROM hit, clock""",
         {"key": key[:KEY_MAX_CHARS], "length": window_seconds},
+        prepared=True,  # every API request
     )
     return ThrottleHit(hits=row[0], retry_after=row[1], read_at=row[2].astimezone(dt.UTC))
 

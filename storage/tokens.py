@@ -45,7 +45,7 @@ def token_owner(*, digest: str, now: dt.datetime | None = None) -> AbstractBaseU
     after `now`. One indexed lookup (the digest is unique) joined to the user's row;
     reads in the caller's transaction (or autocommit) and takes no lock."""
     user, sql, fields, converters = _owner_query()
-    row = fetch_one(sql, [digest, now])
+    row = fetch_one(sql, [digest, now], prepared=True)  # every API request
     if row is None:
         return None
     values = list(row)

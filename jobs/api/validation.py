@@ -55,11 +55,13 @@ class StrictSerializer(serializers.Serializer):
     _given = None  # the keys of the data being validated, while it is
 
     def to_internal_value(self, data):
-        if not isinstance(data, dict) or getattr(self.root, "partial", False):
+        if not isinstance(data, dict):
             return super().to_internal_value(data)
         unknown = sorted(set(data) - set(self.fields))
         if unknown:
             raise serializers.ValidationError({key: ["Unknown field."] for key in unknown})
+        if getattr(self.root, "partial", False):  # DRF skips the left-out fields itself
+            return super().to_internal_value(data)
         self._given = data.keys()
         try:
             validated = super().to_internal_value(data)
@@ -92,8 +94,8 @@ class StrictSerializer(serializers.Serializer):
 def _left_out_values(serializer: serializers.Serializer) -> dict:
     """Field name -> the value DRF's validation gives the field when the data leaves it out,
     for the fields where that is a constant (a scalar, or an empty list or dict), worked
-    out once per class: not a field that is required, has no default, takes its default
-    from the context, has a `validate_<name>` method (which may read settings) or another
+    out once per class: not a field that is required, has no default, a callable default
+    (but list and dict), a `validate_<name>` method (which may read settings) or another
     source than its name."""
     cls = type(serializer)
     known = _left_out_cache.get(cls)
@@ -102,7 +104,7 @@ def _left_out_values(serializer: serializers.Serializer) -> dict:
     known = {}
     for name, field in serializer.fields.items():
         if (field.read_only or field.source != name or field.default is empty
-                or getattr(field.default, "requires_context", False)
+                or (callable(field.default) and field.default not in (list, dict))
                 or hasattr(serializer, f"validate_{name}")):  # fmt: skip
             continue
         try:
