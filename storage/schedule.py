@@ -153,7 +153,7 @@ def runs_write_scheduled(
                    idempotency_key, 0, 0, '', skip_reason, due_at, %(now)s, finished_at,
                    %(now)s, 0, 0, 0
               FROM planned
-            ON CONFLICT (job_id, scheduled_for) WHERE kind = %(kind)s DO NOTHING
+            ON CONFLICT (job_id, scheduled_for) WHERE kind = '{SCHEDULED}' DO NOTHING
             RETURNING id, state
         ), outboxed AS (
             {outbox_insert_select(source="planned", run_id="planned.id",
@@ -181,5 +181,8 @@ def runs_write_scheduled(
             "job_ids": [job.job_id for job in jobs],
             "next_run_at": [job.next_run_at for job in jobs],
         },
+        # Bound on the server: the document and the arrays go as they are (client-side
+        # binding escaped them in Python), the statement planned once per connection.
+        prepared=True,
     )  # fmt: skip
     return ScheduledWrite(created=created, skipped=skipped, outboxed=outboxed)

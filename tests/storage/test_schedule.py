@@ -188,6 +188,27 @@ def test_an_occurrence_that_has_its_run_is_passed_over_and_the_job_still_advance
 
 
 @pytest.mark.django_db
+def test_the_write_works_on_the_prepared_statements_generic_plan(user):
+    """The statement is prepared once per connection; after a few executions PostgreSQL
+    may plan it once for every parameter value: its ON CONFLICT must still find the
+    one-per-occurrence index (a partial index, whose predicate a parameter cannot prove)."""
+    job = make_job(user, now=NOW - dt.timedelta(hours=1))
+    with connection.cursor() as cursor:
+        cursor.execute("SET plan_cache_mode = force_generic_plan")
+    try:
+        for minute in range(3):
+            at = NOW + dt.timedelta(minutes=minute)
+            written = runs_write_scheduled(
+                runs=[planned(job, at)], jobs=[JobAdvance(job_id=job.id, next_run_at=None)],
+                now=NOW,
+            )  # fmt: skip
+            assert written == ScheduledWrite(created=1, skipped=0, outboxed=1)
+    finally:
+        with connection.cursor() as cursor:
+            cursor.execute("RESET plan_cache_mode")
+
+
+@pytest.mark.django_db
 def test_outbox_rows_follow_the_order_of_the_runs(user):
     job = make_job(user, now=NOW - dt.timedelta(hours=1))
     instants = [NOW - dt.timedelta(seconds=n) for n in range(5)]
