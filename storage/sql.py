@@ -66,12 +66,15 @@ class _Shown(NamedTuple):
 
 @contextmanager
 def prepared_cursor() -> Iterator[Any]:
-    """A cursor for the worker's hot statements: prepared once per connection (parsed and
+    """A cursor for the hot statements: prepared once per connection (parsed and
     planned once, then bound and executed), through Django's wrapper (its errors, its
     query log). Django's own cursors bind on the client and prepare nothing. A statement
     run here casts every parameter whose type PostgreSQL cannot infer (server-side
     binding sends no literal)."""
     with connection.wrap_database_errors:
+        # As Django's own cursor(): a kept connection that died (a database restart, a
+        # failover) is replaced at the first statement of a request, not failed.
+        connection.close_if_health_check_failed()
         connection.ensure_connection()
     cursor = connection._prepare_cursor(_PreparedCursor(connection.connection))
     with cursor:

@@ -146,12 +146,16 @@ def _database(url: str, **overrides) -> dict:
             "keepalives_count": 3,
             "options": "-c idle_in_transaction_session_timeout=600000",
             # psycopg may prepare statements (Django disables it by default for poolers in
-            # transaction mode; none is used). Only the worker's hot
-            # statements ask for it (storage.sql.prepared_cursor); Django's own cursors
-            # bind on the client and are never prepared.
+            # transaction mode; none is used). Only the hot statements ask for it
+            # (storage.sql.prepared_cursor); Django's own cursors bind on the client and
+            # are never prepared. `?prepare_threshold=none` in DATABASE_URL turns it off.
             "prepare_threshold": 5,
             **config.get("OPTIONS", {}),
         }
+        threshold = config["OPTIONS"]["prepare_threshold"]
+        if isinstance(threshold, str):  # from the URL's query: psycopg wants an int or None
+            none = threshold.strip().lower() in ("none", "")
+            config["OPTIONS"]["prepare_threshold"] = None if none else int(threshold)
         if env.SCHEDULER_DB_APPLICATION_NAME:
             config["OPTIONS"]["application_name"] = env.SCHEDULER_DB_APPLICATION_NAME
     return config
