@@ -257,7 +257,10 @@ def test_the_postgresql_primary_lost_and_the_standby_promoted_while_jobs_are_cre
     new_primary = site.pair.ports[1]
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline and len(sessions) < 7:
-        for name, started in _sessions(site.pair, new_primary, promoted_at):
+        # Since the stop, not the promotion: a process that retries every 0.2 s (the web,
+        # under two creators) can open its session as the promotion ends, before
+        # promote() has returned; the new primary has no other sessions of the product.
+        for name, started in _sessions(site.pair, new_primary, stopped_at):
             sessions.setdefault(name, started)
         time.sleep(0.25)
     time.sleep(10)  # creations go on against the new primary
