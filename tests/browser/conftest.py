@@ -76,10 +76,17 @@ class Browser:
 
     def wait_for(self, condition, timeout: float = WAIT_SECONDS, message: str = ""):
         """Wait until `condition(driver)` is true (a Selenium expected condition, or any
-        callable of the driver)."""
+        callable of the driver). An element replaced between its lookup and its reading
+        (a page that refreshes in place) is looked up again at the next poll."""
+        from selenium.common.exceptions import StaleElementReferenceException
         from selenium.webdriver.support.ui import WebDriverWait
 
-        return WebDriverWait(self.driver, timeout, poll_frequency=0.2).until(condition, message)
+        return WebDriverWait(
+            self.driver,
+            timeout,
+            poll_frequency=0.2,
+            ignored_exceptions=(StaleElementReferenceException,),
+        ).until(condition, message)
 
     def wait_for_css(self, css: str, timeout: float = WAIT_SECONDS):
         from selenium.webdriver.common.by import By
