@@ -7,6 +7,7 @@ import math
 
 import pytest
 from celery import current_app
+from django.db.models import Q
 
 from dispatch.reaper import ReaperConfig, reaper_run_once
 from dispatch.scheduler import SchedulerConfig, scheduler_run_once
@@ -163,15 +164,19 @@ def test_near_term_runs_start_on_time_while_a_large_backfill_drains(stack, repor
     near = Run.objects.filter(job__in=jobs)
     wait_for(lambda: near.filter(state=RunState.SUCCEEDED).count() == NEAR_TERM, timeout=120,
              message="the near-term runs to succeed")  # fmt: skip
-    unfinished = backfill.exclude(state=RunState.SUCCEEDED).count()
-    lateness = sorted(
-        (run.started_at - run.due_at).total_seconds() for run in near.only("started_at", "due_at")
-    )
+    runs = list(near.only("started_at", "due_at"))
+    lateness = sorted((run.started_at - run.due_at).total_seconds() for run in runs)
+    # Backfill runs still to finish when the last near-term run started: read from the
+    # rows, not counted when the test looks (a fast box drains the rest meanwhile).
+    last_start = max(run.started_at for run in runs)
+    unfinished = backfill.filter(
+        Q(finished_at__isnull=True) | Q(finished_at__gt=last_start)
+    ).count()
     p99 = lateness[math.ceil(0.99 * len(lateness)) - 1]
     report_figure(
         f"{NEAR_TERM} near-term runs beside a backfill of {BACKFILL}: start lateness p50 "
         f"{lateness[len(lateness) // 2]:.2f} s, p99 {p99:.2f} s, max {lateness[-1]:.2f} s; "
-        f"{unfinished} backfill runs still unfinished then"
+        f"{unfinished} backfill runs still unfinished when the last of them started"
     )
     assert p99 < 5.0
     assert unfinished > 0, "the backfill had drained: the test proved nothing"
