@@ -42,7 +42,7 @@ import uuid
 from collections import Counter
 from pathlib import Path
 
-from bench.common import ROOT, bench_environment, cpu_seconds, database_backends
+from bench.common import ROOT, RoleCpu, bench_environment
 
 BODY = {
     "task": "tests.record",
@@ -124,28 +124,17 @@ def _bulk_client(port: int, token: str, requests: int, size: int, keys: bool):
 
 class CpuMeter:
     """CPU seconds spent by the web workers and by the database's backends for this
-    database: a figure the machine's other load disturbs much less than jobs/s."""
+    database: a figure the machine's other load disturbs much less than jobs/s
+    (bench.common.RoleCpu, its roles summed into these two)."""
 
     def __init__(self, server_pid: int, database: str) -> None:
-        self.server_pid, self.database = server_pid, database
-        self.start = self._read()
-
-    def _pids(self) -> tuple[list[int], list[int]]:
-        children = Path(f"/proc/{self.server_pid}/task/{self.server_pid}/children")
-        web = [self.server_pid, *map(int, children.read_text().split())]
-        return web, database_backends(self.database)
-
-    def _read(self) -> tuple[dict, dict]:
-        web, database = self._pids()
-        return cpu_seconds(web), cpu_seconds(database)
+        self.roles = RoleCpu({"web": [server_pid]}, database)
 
     def spent(self) -> tuple[float, float]:
         """(web, database) CPU seconds since the meter started."""
-        now = self._read()
-        return tuple(
-            sum(seconds - before.get(pid, 0.0) for pid, seconds in after.items())
-            for before, after in zip(self.start, now, strict=True)
-        )
+        spent = self.roles.spent()
+        database = sum(v for role, v in spent.items() if role.startswith("database ("))
+        return spent["web"], database
 
 
 class ConnectionWatch(threading.Thread):

@@ -107,6 +107,11 @@ def summary(values: list[float]) -> dict:
     }
 
 
+def ratio(a: float | None, b: float | None) -> float | None:
+    """a / b, None when either is missing (or b is 0)."""
+    return a / b if a is not None and b else None
+
+
 def cpu_seconds(pids) -> dict[int, float]:
     """user + system CPU seconds of each live process (Linux /proc)."""
     ticks, seconds = os.sysconf("SC_CLK_TCK"), {}
@@ -147,9 +152,9 @@ def _broker_pids() -> list[int]:
     return pids
 
 
-def database_backends(database: str, *, by_application: bool = False):
-    """The PostgreSQL backends connected to `database`, but this process's own: their pids,
-    or {application_name: pids} (the Stack names each process's connections by its role)."""
+def database_backends(database: str) -> dict[str, list[int]]:
+    """The PostgreSQL backends connected to `database`, but this process's own, by their
+    application_name (the Stack names each process's connections by its role)."""
     from django.db import connection
 
     with connection.cursor() as cursor:
@@ -159,8 +164,6 @@ def database_backends(database: str, *, by_application: bool = False):
             [database],
         )
         rows = cursor.fetchall()
-    if not by_application:
-        return [pid for pid, _ in rows]
     found: dict[str, list[int]] = {}
     for pid, application in rows:
         found.setdefault(application or "other", []).append(pid)
@@ -181,9 +184,7 @@ class RoleCpu:
         pids = {role: [p for root in roots for p in process_tree(root)]
                 for role, roots in self.roots.items()}  # fmt: skip
         if self.database:
-            for application, backends in database_backends(
-                self.database, by_application=True
-            ).items():
+            for application, backends in database_backends(self.database).items():
                 pids[f"database ({application})"] = backends
         pids["broker"] = _broker_pids()
         pids["bench"] = [os.getpid()]
@@ -200,6 +201,11 @@ class RoleCpu:
 # -- the product's processes --------------------------------------------------------------
 
 
+def _role(name: str) -> str:
+    """A process's role from its name in the Stack (scheduler0 -> scheduler)."""
+    return name.rstrip("0123456789")
+
+
 class Stack:
     """Schedulers, relays and Celery workers of the product, each with its own log file in
     the work directory; `stop()` sends SIGTERM and waits (SIGKILL after 60 s)."""
@@ -214,7 +220,7 @@ class Stack:
             argv,
             env={
                 **self.env,
-                "SCHEDULER_DB_APPLICATION_NAME": name.rstrip("0123456789"),
+                "SCHEDULER_DB_APPLICATION_NAME": _role(name),
                 **extra_env,
             },
             stdout=log,
@@ -279,9 +285,7 @@ class Stack:
         """Every scheduler and relay has printed its start line (workers: see `warm_up`)."""
         deadline = time.monotonic() + timeout
         for name, process in self.processes:
-            word = {"scheduler": b"scheduler started", "relay": b"relay started"}.get(
-                name.rstrip("0123456789")
-            )
+            word = {"scheduler": b"scheduler started", "relay": b"relay started"}.get(_role(name))
             if word is None:
                 continue
             path = self.workdir / f"{self.label}-{name}.log"
@@ -294,7 +298,7 @@ class Stack:
         """Root pids by role (scheduler, relay, worker, web)."""
         roles: dict[str, list[int]] = {}
         for name, process in self.processes:
-            roles.setdefault(name.rstrip("0123456789"), []).append(process.pid)
+            roles.setdefault(_role(name), []).append(process.pid)
         return roles
 
     def check_alive(self) -> None:

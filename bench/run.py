@@ -28,7 +28,7 @@ import os
 import statistics
 from pathlib import Path
 
-from bench.common import bench_environment, results_header, results_path
+from bench.common import bench_environment, ratio, results_header, results_path
 
 # Per workload, the defaults that differ from the common ones (`--jobs` mostly).
 DEFAULT_JOBS = {"w1": 10_000, "w2": 1_000, "w3": 1_000, "claim": 10_000, "bare": 10_000}
@@ -209,14 +209,10 @@ def _cpu_rows(product: dict | None, bare: dict | None) -> list[tuple]:
     bare = bare or {}
     total, bare_total = sum(product.values()), sum(bare.values()) if bare else None
     out = [("CPU seconds, every process", fmt(total, "s"), fmt(bare_total, "s"),
-            fmt(_ratio(total, bare_total), "x"), "")]  # fmt: skip
+            fmt(ratio(total, bare_total), "x"), "")]  # fmt: skip
     for role in sorted(set(product) | set(bare)):
         out.append((f"  CPU {role}", fmt(product.get(role), "s"), fmt(bare.get(role), "s"), "", ""))
     return out
-
-
-def _ratio(a, b):
-    return a / b if a is not None and b else None
 
 
 def _integrity_row(label: str, r: dict) -> tuple[str, str, str, str, str]:

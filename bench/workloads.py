@@ -25,6 +25,7 @@ from bench.common import (
     once_spec,
     purge_queue,
     queue_depth,
+    ratio,
     reset_database,
     summary,
     validated_spec,
@@ -131,10 +132,6 @@ def bare(args, env: dict, workdir, *, tasks: int) -> dict:
     )
 
 
-def _ratio(a: float | None, b: float | None) -> float | None:
-    return a / b if a is not None and b else None
-
-
 def burst(args, env: dict, workdir, *, jobs: int, label: str, fresh: bool = True) -> dict:
     """W1: `jobs` one-time jobs due at one instant, on the whole stack; with `--owners N`,
     shared among N owners; with `--api`, created as users create them: each owner's jobs
@@ -169,8 +166,8 @@ def w1(args, env: dict, workdir) -> dict:
     return {
         **product,
         "bare": baseline,
-        "last_start_ratio": _ratio(product["last_start"], baseline["last_start"]),
-        "throughput_ratio": _ratio(product["throughput"], baseline["throughput"]),
+        "last_start_ratio": ratio(product["last_start"], baseline["last_start"]),
+        "throughput_ratio": ratio(product["throughput"], baseline["throughput"]),
     }
 
 
@@ -245,13 +242,13 @@ def w2(args, env: dict, workdir) -> dict:
     # The baseline of the same run: bare Celery draining as many no-ops as a boundary has.
     baseline = bare(args, env, workdir, tasks=args.jobs)
     for b in per_boundary:
-        b["p99_ratio"] = _ratio(b["lateness"]["p99"], baseline["last_start"])
+        b["p99_ratio"] = ratio(b["lateness"]["p99"], baseline["last_start"])
     return {
         "jobs": args.jobs,
         "boundaries": per_boundary,
         "worst_p99": max(p99s) if p99s else None,
         "bare": baseline,
-        "worst_p99_ratio": _ratio(max(p99s) if p99s else None, baseline["last_start"]),
+        "worst_p99_ratio": ratio(max(p99s) if p99s else None, baseline["last_start"]),
         "missed": sum(b["missed"] for b in per_boundary),
         "doubled": sum(b["doubled"] for b in per_boundary),
         "duplicate_deliveries": sum(b["duplicate_deliveries"] for b in per_boundary),
@@ -344,7 +341,7 @@ def w3(args, env: dict, workdir) -> dict:
         "insert_seconds": inserted_in,
         "without": without,
         "behind": behind,
-        "last_start_ratio": _ratio(behind["last_start"], without["last_start"]),
+        "last_start_ratio": ratio(behind["last_start"], without["last_start"]),
     }
 
 
